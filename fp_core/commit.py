@@ -1,0 +1,117 @@
+"""Atomic, durable commit: temp name in the same directory, fdatasync, rename, fsync(dir).
+
+A crash at any instant leaves the previous checkpoint under the final name and, at most,
+a temporary file. Temporary names start with a dot and end in ``.fptmp`` so neither
+Lightning (``*.ckpt``) nor the HF Trainer (``checkpoint-*``) ever lists one, and they
+carry the writer's host and pid so that the next save into the directory (or
+``fastpersist clean DIR``) can tell an orphan from a save still in progress.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import uuid
+from pathlib import Path
+
+log = logging.getLogger("fastpersist")
+
+TMP_SUFFIX = ".fptmp"
+_HOST = socket.gethostname().replace(".", "_").replace("-", "_")
+
+
+def temp_path(final: str) -> str:
+    d, base = os.path.split(os.path.abspath(final))
+    return os.path.join(d, f".{base}.{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: str, final: str) -> None:
+    """Rename the finished temp file over ``final`` and make the rename durable."""
+    os.replace(tmp, final)
+    fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def discard(tmp: str) -> None:
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # never mask the error that made us discard
+        log.warning("fastpersist: could not remove temporary file %s: %s", tmp, e)
+
+
+def check_target(final: str) -> str:
+    """Validate a checkpoint path before any work; return its absolute form.
+
+    Raises with the path and the cause: a missing or non-directory parent, a path that
+    is a directory, a parent we cannot write to.
+    """
+    path = os.path.abspath(os.fspath(final))
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
+    if not os.path.exists(parent):
+        raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", parent)
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(errno.ENOTDIR, "checkpoint directory is not a directory", parent)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, "checkpoint directory is not writable", parent)
+    return path
+
+
+def _owner_alive(name: str) -> bool:
+    """Is the process that owns this temp name alive (on this host)?"""
+    try:
+        stem = name[: -len(TMP_SUFFIX)]
+        host_pid = stem.rsplit(".", 1)[1]
+        host, pid, _ = host_pid.rsplit("-", 2)
+        pid_i = int(pid)
+    except (IndexError, ValueError):
+        return False
+    if host != _HOST:
+        return True  # another node's writer on a shared filesystem: not ours to judge
+    if pid_i == os.getpid():
+        return True
+    try:
+        os.kill(pid_i, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_temps(directory: str) -> list[str]:
+    """Temp files in ``directory`` whose writer is gone."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [
+        os.path.join(directory, n)
+        for n in names
+        if n.startswith(".") and n.endswith(TMP_SUFFIX) and not _owner_alive(n)
+    ]
+
+
+def clean(directory: str | Path, recursive: bool = False) -> list[str]:
+    """Remove orphaned temp files (crashed saves). Returns what was removed."""
+    removed = []
+    dirs = [str(directory)]
+    if recursive:
+        dirs = [root for root, _, _ in os.walk(directory)]
+    for d in dirs:
+        for p in stale_temps(d):
+            discard(p)
+            removed.append(p)
+    return removed

@@ -1,0 +1,27 @@
+"""Exceptions FastPersist raises. I/O failures stay ``OSError`` (with errno and path)."""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of FastPersist's own errors."""
+
+
+class CheckpointSerializationError(CheckpointError, TypeError):
+    """The object could not be serialised (an unpicklable member, mixed dtypes on a storage...)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's bytes do not match the checksums recorded when it was saved."""
+
+    def __init__(self, path: str, record: str, detail: str, tensor: str | None = None) -> None:
+        self.path = path
+        self.record = record
+        self.tensor = tensor
+        self.detail = detail
+        what = f"record {record}" + (f" (tensor {tensor})" if tensor else "")
+        super().__init__(f"corrupt checkpoint {path}: {what}: {detail}")
+
+
+class NotAFastPersistCheckpoint(CheckpointError):
+    """The file has no FastPersist manifest (it was written by something else)."""

@@ -1,0 +1,113 @@
+"""The integrity manifest stored inside every FastPersist checkpoint.
+
+It is one extra zip record, ``<archive>/.fastpersist/manifest.json``, that torch.load
+ignores. It holds a CRC-32C for every other record (each tensor storage, the pickle, the
+small torch records) and one for the zip structure itself (local headers, data
+descriptors, central directory), so every byte of the file is covered.
+
+Why CRC-32C in a manifest rather than zip's own CRC-32 fields: the SSE4.2 instruction
+computes CRC-32C at memory speed while the bytes are being copied into staging, and a zip
+record's CRC sits in its local header *before* its data, which O_DIRECT has already
+written by the time the data's checksum is known. The manifest record sits at the end of
+the file and is written last, once every checksum is in. (torch itself writes CRC 0 when
+``compute_crc32`` is off and never checks zip CRCs on load.)
+
+What the manifest cannot cover is itself: the *tail* of the file, from the manifest's local
+header to the end (manifest, central directory, end records), is covered by one CRC-32C
+written as the last 8 characters of the zip comment (``fastpersist-tail-crc32c=XXXXXXXX``),
+which excludes only those 8 characters. So every byte is checked, and a damaged manifest
+is told apart from a damaged tensor.
+
+The record's size must be fixed before the data is written (it decides where the central
+directory lands), so the text is padded with spaces (valid JSON whitespace) to a length
+reserved from a placeholder with the widest possible numbers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT = "fastpersist/1"
+RECORD_SUFFIX = ".fastpersist/manifest.json"
+STRUCTURE = "<zip structure>"
+TAIL = "<manifest and central directory>"
+TAIL_COMMENT_PREFIX = b"fastpersist-tail-crc32c="
+TAIL_COMMENT = TAIL_COMMENT_PREFIX + b"00000000"
+
+
+@dataclass
+class RecordInfo:
+    """One zip record as the manifest describes it."""
+
+    name: str  # zip record name, e.g. "archive/data/3"
+    offset: int  # file offset of the record's data
+    size: int  # bytes of data
+    crc32c: int = 0
+    tensor: str | None = None  # the first tensor path that uses this storage
+    dtype: str | None = None
+    kind: str = "storage"  # "storage" | "record"
+
+
+@dataclass
+class Manifest:
+    file_size: int
+    alignment: int
+    records: list[RecordInfo] = field(default_factory=list)
+    structure_crc32c: int = 0  # CRC-32C over every byte that no record's data covers
+
+    def to_bytes(self, pad_to: int | None = None) -> bytes:
+        doc: dict[str, Any] = {
+            "format": FORMAT,
+            "checksum": "crc32c",
+            "file_size": self.file_size,
+            "alignment": self.alignment,
+            "structure_crc32c": f"{self.structure_crc32c:08x}",
+            "records": [
+                {
+                    "name": r.name,
+                    "kind": r.kind,
+                    "offset": r.offset,
+                    "size": r.size,
+                    "crc32c": f"{r.crc32c:08x}",
+                    **({"tensor": r.tensor} if r.tensor is not None else {}),
+                    **({"dtype": r.dtype} if r.dtype is not None else {}),
+                }
+                for r in self.records
+            ],
+        }
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        if pad_to is not None:
+            if len(data) > pad_to:
+                raise ValueError(f"manifest of {len(data)} bytes exceeds its reserved {pad_to}")
+            data += b" " * (pad_to - len(data))
+        return data
+
+    def reserved_size(self) -> int:
+        """Bytes to reserve: this manifest with the widest file size it could ever state."""
+        widest = Manifest(10**16, self.alignment, self.records, self.structure_crc32c)
+        return len(widest.to_bytes())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        doc = json.loads(data.decode())
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"unknown manifest format {doc.get('format')!r}")
+        return cls(
+            file_size=int(doc["file_size"]),
+            alignment=int(doc["alignment"]),
+            structure_crc32c=int(doc["structure_crc32c"], 16),
+            records=[
+                RecordInfo(
+                    name=r["name"],
+                    offset=int(r["offset"]),
+                    size=int(r["size"]),
+                    crc32c=int(r["crc32c"], 16),
+                    tensor=r.get("tensor"),
+                    dtype=r.get("dtype"),
+                    kind=r.get("kind", "storage"),
+                )
+                for r in doc["records"]
+            ],
+        )

@@ -1,0 +1,216 @@
+"""Turn a Python object into a FilePlan: the skeleton bytes plus the storages' byte extents.
+
+The plan is format-blind downstream (DESIGN D2): the writer, the partitioner and the
+checksums only see ``pieces`` — ``(file_offset, length, source)`` — that tile the file.
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _native
+from .manifest import RECORD_SUFFIX, TAIL_COMMENT, Manifest, RecordInfo
+from .skeleton import SparseFile, capture
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
+_LOCAL_SIG = 0x04034B50
+_CENTRAL_SIG = 0x02014B50
+
+
+def align_down(x: int, a: int) -> int:
+    return x - x % a
+
+
+def align_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+@dataclass
+class StorageExtent:
+    """A tensor storage's bytes at ``offset`` in the file (one zip record)."""
+
+    offset: int
+    length: int
+    storage: torch.UntypedStorage
+    record: int  # index into Manifest.records
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+@dataclass
+class Piece:
+    """A contiguous run of file bytes from one source, clipped to a write range."""
+
+    offset: int
+    length: int
+    skeleton: bytes | None = None  # skeleton bytes, or
+    storage: StorageExtent | None = None  # a storage, starting at this byte of it:
+    storage_start: int = 0
+
+
+@dataclass
+class FilePlan:
+    file_size: int
+    alignment: int
+    skeleton: SparseFile
+    storages: list[StorageExtent]
+    manifest: Manifest
+    manifest_header_offset: int  # where the tail (manifest + central directory) begins
+    manifest_offset: int  # the manifest record's data
+    manifest_size: int
+    manifest_central_entry: int  # offset of its central directory entry
+    serialize_seconds: float = 0.0
+    keepalive: list[Any] = field(default_factory=list)
+
+    @property
+    def tail_start(self) -> int:
+        """First block that holds tail bytes: written last, once every checksum is in."""
+        return align_down(self.manifest_header_offset, self.alignment)
+
+    @property
+    def devices(self) -> set[str]:
+        return {s.storage.device.type for s in self.storages}
+
+    def pieces(self, start: int, end: int) -> Iterator[Piece]:
+        """Every byte of [start, end) as skeleton or storage pieces, in file order."""
+        for off, data in self.skeleton.segments():
+            lo, hi = max(off, start), min(off + len(data), end)
+            if lo < hi:
+                yield Piece(lo, hi - lo, skeleton=data[lo - off : hi - off])
+        for s in self.storages:
+            lo, hi = max(s.offset, start), min(s.end, end)
+            if lo < hi:
+                yield Piece(lo, hi - lo, storage=s, storage_start=lo - s.offset)
+
+
+def _tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, str]]:
+    """Map storage identity -> (first tensor path, dtype) by walking containers.
+
+    Only used to name records in the manifest, so that verify can say *which tensor* is
+    damaged; objects it cannot walk just leave their records unnamed.
+    """
+    names: dict[int, tuple[str, str]] = {}
+    stack: list[tuple[str, Any]] = [("", obj)]
+    seen: set[int] = set()
+    while stack and len(seen) < max_items:
+        path, o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            try:
+                key = o.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError):
+                continue
+            names.setdefault(key, (path or "<root>", str(o.dtype).removeprefix("torch.")))
+            continue
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, dict):
+            items = [(f"{path}.{k}" if path else str(k), v) for k, v in o.items()]
+        elif isinstance(o, (list, tuple)):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(o)]
+        else:
+            continue
+        stack.extend(reversed(items))
+    return names
+
+
+def _local_data_offset(sparse: SparseFile, header_offset: int) -> int:
+    fields = _LOCAL_HEADER.unpack(sparse.pread(header_offset, _LOCAL_HEADER.size))
+    if fields[0] != _LOCAL_SIG:
+        raise RuntimeError(f"no zip local header at {header_offset}")
+    return header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+
+
+def _central_entry_offset(sparse: SparseFile, start_dir: int, name: str) -> int:
+    pos, target = start_dir, name.encode()
+    while True:
+        head = sparse.pread(pos, 46)
+        if struct.unpack_from("<I", head)[0] != _CENTRAL_SIG:
+            raise RuntimeError(f"central directory entry for {name} not found")
+        n, e, c = struct.unpack_from("<HHH", head, 28)
+        if sparse.pread(pos + 46, n) == target:
+            return pos
+        pos += 46 + n + e + c
+
+
+def build(obj: Any, alignment: int = 4096) -> FilePlan:
+    """Capture ``obj``'s torch.save skeleton and lay out the file, manifest included."""
+    sparse, storages_by_key = capture(obj, alignment)
+    names = _tensor_names(obj)
+
+    with zipfile.ZipFile(sparse) as z:
+        infos = z.infolist()
+    prefix = infos[0].filename.split("/", 1)[0]
+    records: list[RecordInfo] = []
+    storages: list[StorageExtent] = []
+    for info in infos:
+        data_offset = _local_data_offset(sparse, info.header_offset)
+        rel = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
+        key = rel[len("data/") :] if rel.startswith("data/") else None
+        if key is not None and key in storages_by_key:
+            storage, dtype, nbytes = storages_by_key[key]
+            tensor, _ = names.get(storage._cdata, (None, None))
+            rec = RecordInfo(info.filename, data_offset, nbytes, tensor=tensor,
+                             dtype=str(dtype).removeprefix("torch."), kind="storage")
+            if nbytes:
+                storages.append(StorageExtent(data_offset, nbytes, storage, len(records)))
+        else:
+            rec = RecordInfo(info.filename, data_offset, info.file_size, kind="record")
+        records.append(rec)
+
+    manifest = Manifest(file_size=0, alignment=alignment, records=records)
+    reserved = manifest.reserved_size()
+    manifest_name = f"{prefix}/{RECORD_SUFFIX}"
+    zinfo = zipfile.ZipInfo(manifest_name, date_time=(1980, 1, 1, 0, 0, 0))
+    with zipfile.ZipFile(sparse, mode="a") as z:
+        z.writestr(zinfo, b" " * reserved)
+        z.comment = TAIL_COMMENT
+    with zipfile.ZipFile(sparse) as z:
+        minfo = z.getinfo(manifest_name)
+        start_dir = z.start_dir
+    manifest.file_size = sparse.size
+    plan = FilePlan(
+        file_size=sparse.size,
+        alignment=alignment,
+        skeleton=sparse,
+        storages=sorted(storages, key=lambda s: s.offset),
+        manifest=manifest,
+        manifest_header_offset=minfo.header_offset,
+        manifest_offset=_local_data_offset(sparse, minfo.header_offset),
+        manifest_size=reserved,
+        manifest_central_entry=_central_entry_offset(sparse, start_dir, manifest_name),
+    )
+    _checksum_skeleton_records(plan)
+    return plan
+
+
+def _checksum_skeleton_records(plan: FilePlan) -> None:
+    """CRCs of what the skeleton alone determines: small records and the zip structure."""
+    covered = []
+    for rec in plan.manifest.records:
+        if rec.kind == "record":
+            rec.crc32c = _native.crc32c(plan.skeleton.pread(rec.offset, rec.size))
+        covered.append((rec.offset, rec.offset + rec.size))
+    plan.manifest.structure_crc32c = structure_crc(
+        covered, plan.manifest_header_offset, plan.skeleton.pread
+    )
+
+
+def structure_crc(covered: list[tuple[int, int]], end: int, pread: Any) -> int:
+    """CRC-32C of every byte in [0, end) outside the record data ranges ``covered``."""
+    crc, pos = 0, 0
+    for lo, hi in sorted(covered) + [(end, end)]:
+        if lo > pos:
+            crc = _native.crc32c(pread(pos, min(lo, end) - pos), crc)
+        pos = max(pos, hi)
+        if pos >= end:
+            break
+    return crc

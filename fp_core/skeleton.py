@@ -1,0 +1,209 @@
+"""Capture torch.save's zip skeleton without materialising any tensor bytes.
+
+torch writes a checkpoint as a stored (uncompressed) zip. Under
+``torch.serialization.skip_data()`` it still writes every header, the pickle and the
+small records, but *seeks over* each storage's bytes. :class:`SparseFile` records those
+writes and seeks, so a 4 GiB checkpoint yields a skeleton of a few KiB plus a list of holes.
+Storage alignment is raised to the O_DIRECT block size so that every storage's bytes start
+on a block boundary and can be written straight from staging buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import pickle
+import threading
+import types
+from typing import Any
+
+import torch
+from torch.utils.serialization import config as _ser_config
+
+# torch's save config is process-global; serialise our patches of it.
+_CONFIG_LOCK = threading.Lock()
+
+
+class SparseFile(io.RawIOBase):
+    """A seekable, writable file whose unwritten regions are holes that cost no memory.
+
+    Written regions are kept as sorted, non-overlapping ``(offset, bytearray)`` segments.
+    Reads of holes return zeros (zipfile only ever reads the written header regions).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._starts: list[int] = []
+        self._segs: list[bytearray] = []
+        self._pos = 0
+        self._size = 0
+
+    # -- io.RawIOBase protocol -------------------------------------------------------
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence == io.SEEK_SET:
+            pos = offset
+        elif whence == io.SEEK_CUR:
+            pos = self._pos + offset
+        elif whence == io.SEEK_END:
+            pos = self._size + offset
+        else:
+            raise ValueError(f"invalid whence {whence}")
+        if pos < 0:
+            raise ValueError("negative seek position")
+        self._pos = pos
+        # A seek past the end (torch skipping a storage) extends the file with a hole.
+        self._size = max(self._size, pos)
+        return pos
+
+    def write(self, data: Any) -> int:
+        data = bytes(data)
+        n = len(data)
+        if n:
+            self._put(self._pos, data)
+            self._pos += n
+            self._size = max(self._size, self._pos)
+        return n
+
+    def readinto(self, buf: Any) -> int:
+        mv = memoryview(buf).cast("B")
+        n = max(0, min(len(mv), self._size - self._pos))
+        mv[:n] = self.pread(self._pos, n)
+        self._pos += n
+        return n
+
+    def truncate(self, size: int | None = None) -> int:
+        size = self._pos if size is None else size
+        keep_s, keep_b = [], []
+        for s, b in zip(self._starts, self._segs):
+            if s < size:
+                keep_s.append(s)
+                keep_b.append(b[: size - s])
+        self._starts, self._segs = keep_s, keep_b
+        self._size = size
+        return size
+
+    def flush(self) -> None:
+        pass
+
+    # -- segment bookkeeping ----------------------------------------------------------
+    def _put(self, off: int, data: bytes) -> None:
+        end = off + len(data)
+        i = bisect.bisect_right(self._starts, off) - 1
+        # Fast path: torch and zipfile write sequentially, so most writes append.
+        if i >= 0:
+            s, b = self._starts[i], self._segs[i]
+            if s + len(b) == off and (i + 1 == len(self._starts) or self._starts[i + 1] >= end):
+                b.extend(data)
+                return
+        new_starts, new_segs = [], []
+        placed = False
+        for s, b in zip(self._starts, self._segs):
+            e = s + len(b)
+            if e <= off or s >= end:
+                if s >= end and not placed:
+                    new_starts.append(off)
+                    new_segs.append(bytearray(data))
+                    placed = True
+                new_starts.append(s)
+                new_segs.append(b)
+                continue
+            if s < off:  # keep the head of an overlapped segment
+                new_starts.append(s)
+                new_segs.append(b[: off - s])
+            if not placed:
+                new_starts.append(off)
+                new_segs.append(bytearray(data))
+                placed = True
+            if e > end:  # keep the tail
+                new_starts.append(end)
+                new_segs.append(b[end - s :])
+        if not placed:
+            new_starts.append(off)
+            new_segs.append(bytearray(data))
+        self._starts, self._segs = new_starts, new_segs
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def segments(self) -> list[tuple[int, bytes]]:
+        """Written regions as ``(offset, bytes)``, sorted, non-overlapping."""
+        return [(s, bytes(b)) for s, b in zip(self._starts, self._segs) if b]
+
+    def pread(self, off: int, n: int) -> bytes:
+        out = bytearray(n)
+        end = off + n
+        i = max(0, bisect.bisect_right(self._starts, off) - 1)
+        while i < len(self._starts) and self._starts[i] < end:
+            s, b = self._starts[i], self._segs[i]
+            lo, hi = max(s, off), min(s + len(b), end)
+            if lo < hi:
+                out[lo - off : hi - off] = b[lo - s : hi - s]
+            i += 1
+        return bytes(out)
+
+    def pwrite(self, off: int, data: bytes) -> None:
+        self._put(off, data)
+        self._size = max(self._size, off + len(data))
+
+
+class _StorageRecorder:
+    """A ``pickle_module`` for torch.save that reports which storage got which record key.
+
+    torch.save builds its pickler as a subclass of ``pickle_module.Pickler`` whose
+    ``persistent_id`` assigns record keys; wrapping that method (instead of re-implementing
+    the key assignment) keeps us exactly in step with torch's own numbering and dtype checks.
+    """
+
+    def __init__(self) -> None:
+        self.storages: dict[str, tuple[torch.UntypedStorage, torch.dtype, int]] = {}
+        recorder = self
+
+        class Pickler(pickle.Pickler):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                torch_persistent_id = type(self).persistent_id
+
+                def persistent_id(obj: Any) -> Any:
+                    pid = torch_persistent_id(self, obj)
+                    if isinstance(pid, tuple) and pid and pid[0] == "storage":
+                        recorder._record(pid[2], obj)
+                    return pid
+
+                # An instance attribute wins over the class method when the C pickler
+                # looks up persistent_id at construction.
+                self.persistent_id = persistent_id
+                super().__init__(*args, **kwargs)
+
+        self.module = types.SimpleNamespace(
+            Pickler=Pickler, Unpickler=pickle.Unpickler, __name__="pickle", load=pickle.load
+        )
+
+    def _record(self, key: str, obj: Any) -> None:
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage, dtype = obj._untyped_storage, obj.dtype
+        else:
+            storage, dtype = obj, torch.uint8
+        self.storages[key] = (storage, dtype, storage.nbytes())
+
+
+def capture(obj: Any, alignment: int) -> tuple[SparseFile, dict[str, tuple[torch.UntypedStorage, torch.dtype, int]]]:
+    """Run torch.save on ``obj`` with data skipped; return the skeleton and its storages by key."""
+    sparse = SparseFile()
+    recorder = _StorageRecorder()
+    with _CONFIG_LOCK:
+        with _ser_config.patch({"save.storage_alignment": alignment, "save.compute_crc32": False}):
+            with torch.serialization.skip_data():
+                torch.save(obj, sparse, pickle_module=recorder.module)
+    return sparse, recorder.storages

@@ -1,0 +1,205 @@
+"""Write a FilePlan's bytes through the native engine, checksumming as they are staged.
+
+The file is written in two phases (see manifest.py): first everything before the tail,
+which yields every storage's CRC-32C; then the tail, with the finished manifest and the
+tail checksum in the zip comment.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _native
+from .engine import EngineOptions
+from .manifest import TAIL_COMMENT_PREFIX
+from .plan import FilePlan, Piece, align_down
+
+# Device tensors are copied to pinned host memory in batches of at most this many bytes
+# (or one storage, when a single storage is larger), so host memory stays bounded.
+DEVICE_BATCH_BYTES = 256 << 20
+
+
+@dataclass
+class PieceCrc:
+    record: int
+    start: int  # byte offset inside the storage
+    length: int
+    crc: int
+
+
+@dataclass
+class RangeStats:
+    bytes: int = 0
+    seconds: float = 0.0
+    copy_seconds: float = 0.0
+    io_wait_seconds: float = 0.0
+    device_copy_seconds: float = 0.0
+    requests: int = 0
+    short_writes: int = 0
+
+    def add(self, native: dict, seconds: float) -> None:
+        self.bytes += int(native.get("bytes", 0))
+        self.seconds += seconds
+        self.copy_seconds += float(native.get("copy_seconds", 0.0))
+        self.io_wait_seconds += float(native.get("io_wait_seconds", 0.0))
+        self.requests += int(native.get("requests", 0))
+        self.short_writes += int(native.get("short_writes", 0))
+
+
+def _bytes_addr(data: bytes, keep: list) -> int:
+    arr = np.frombuffer(data, dtype=np.uint8)
+    keep.append(arr)
+    return arr.ctypes.data
+
+
+def _host_addr(piece: Piece, host: dict[int, torch.Tensor]) -> int:
+    s = piece.storage
+    assert s is not None
+    if s.storage.device.type == "cpu":
+        base = s.storage.data_ptr()
+    else:
+        base = host[s.record].data_ptr()
+    return base + piece.storage_start
+
+
+def _stage_device_storages(pieces: list[Piece], stats: RangeStats) -> dict[int, torch.Tensor]:
+    """Copy the device storages these pieces read into pinned host memory, on a side stream."""
+    wanted = {p.storage.record: p.storage for p in pieces if p.storage and p.storage.storage.device.type != "cpu"}
+    if not wanted:
+        return {}
+    t0 = time.perf_counter()
+    host: dict[int, torch.Tensor] = {}
+    device = next(iter(wanted.values())).storage.device
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    pin = device.type == "cuda"
+    ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
+    with ctx:
+        for rec, s in wanted.items():
+            buf = torch.empty(s.length, dtype=torch.uint8, pin_memory=pin)
+            src = torch.empty(0, dtype=torch.uint8, device=s.storage.device).set_(s.storage)
+            buf.copy_(src, non_blocking=pin)
+            host[rec] = buf
+    if stream is not None:
+        stream.synchronize()
+    stats.device_copy_seconds += time.perf_counter() - t0
+    return host
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
+    """Cut [start, end) at storage boundaries so device storages are staged a batch at a time.
+
+    Storage data begins block-aligned, so every cut is a legal O_DIRECT range start.
+    """
+    if not any(s.storage.device.type != "cpu" for s in plan.storages):
+        return [(start, end)]
+    cuts, acc = [start], 0
+    for s in plan.storages:
+        if s.offset <= start or s.offset >= end:
+            continue
+        if acc and acc + s.length > DEVICE_BATCH_BYTES:
+            cuts.append(s.offset)
+            acc = 0
+        acc += s.length
+    cuts.append(end)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
+                options: EngineOptions, stats: RangeStats) -> list[PieceCrc]:
+    """Write the plan's bytes in [start, end); return the CRC of every storage piece written."""
+    out: list[PieceCrc] = []
+    for lo, hi in _batches(plan, start, end):
+        pieces = sorted(plan.pieces(lo, hi), key=lambda p: p.offset)
+        host = _stage_device_storages(pieces, stats)
+        keep: list = []
+        extents = [
+            (p.offset, _bytes_addr(p.skeleton, keep) if p.skeleton is not None else _host_addr(p, host), p.length)
+            for p in pieces
+        ]
+        t0 = time.perf_counter()
+        crcs, native_stats = engine.write(extents, lo, hi, checksum=True)
+        stats.add(native_stats, time.perf_counter() - t0)
+        for p, crc in zip(pieces, crcs):
+            if p.storage is not None:
+                out.append(PieceCrc(p.storage.record, p.storage_start, p.length, crc))
+        del host, keep
+    return out
+
+
+def combine_piece_crcs(plan: FilePlan, pieces: list[PieceCrc]) -> None:
+    """Fold per-piece CRCs (from any number of writers) into each storage record's CRC."""
+    by_record: dict[int, list[PieceCrc]] = {}
+    for pc in pieces:
+        by_record.setdefault(pc.record, []).append(pc)
+    for s in plan.storages:
+        parts = sorted(by_record.get(s.record, []), key=lambda pc: pc.start)
+        crc, pos = 0, 0
+        for pc in parts:
+            if pc.start != pos:
+                raise RuntimeError(f"checksum pieces of {plan.manifest.records[s.record].name} "
+                                   f"do not tile it (gap at byte {pos})")
+            crc = _native.crc32c_combine(crc, pc.crc, pc.length) if pos else pc.crc
+            pos += pc.length
+        if pos != s.length:
+            raise RuntimeError(f"checksum pieces of {plan.manifest.records[s.record].name} "
+                               f"cover {pos} of {s.length} bytes")
+        plan.manifest.records[s.record].crc32c = crc
+
+
+def tail_piece_crcs(plan: FilePlan) -> list[PieceCrc]:
+    """CRCs of storage bytes that fall inside the tail range, computed before it is written."""
+    out = []
+    stats = RangeStats()
+    pieces = [p for p in plan.pieces(plan.tail_start, plan.file_size) if p.storage is not None]
+    host = _stage_device_storages(pieces, stats)
+    for p in pieces:
+        out.append(PieceCrc(p.storage.record, p.storage_start, p.length,
+                            _native.crc32c_addr(_host_addr(p, host), p.length)))
+    return out
+
+
+def finish_tail(plan: FilePlan) -> None:
+    """Write the final manifest into the skeleton, fix its zip CRC, stamp the tail CRC."""
+    data = plan.manifest.to_bytes(pad_to=plan.manifest_size)
+    sk = plan.skeleton
+    sk.pwrite(plan.manifest_offset, data)
+    zcrc = struct.pack("<I", zlib.crc32(data))
+    sk.pwrite(plan.manifest_header_offset + 14, zcrc)  # local header CRC-32 field
+    sk.pwrite(plan.manifest_central_entry + 16, zcrc)  # central directory CRC-32 field
+    covered = plan.file_size - 8 - plan.manifest_header_offset
+    tail_crc = _native.crc32c(sk.pread(plan.manifest_header_offset, covered))
+    assert sk.pread(plan.file_size - 8 - len(TAIL_COMMENT_PREFIX), len(TAIL_COMMENT_PREFIX)) == TAIL_COMMENT_PREFIX
+    sk.pwrite(plan.file_size - 8, f"{tail_crc:08x}".encode())
+
+
+def write_single(engine: _native.Engine, plan: FilePlan, options: EngineOptions) -> RangeStats:
+    """One writer writes the whole file: body, then the checksummed tail."""
+    stats = RangeStats()
+    pieces = write_range(engine, plan, 0, plan.tail_start, options, stats)
+    write_tail(engine, plan, pieces, options, stats)
+    return stats
+
+
+def write_tail(engine: _native.Engine, plan: FilePlan, body_pieces: list[PieceCrc],
+               options: EngineOptions, stats: RangeStats) -> None:
+    combine_piece_crcs(plan, body_pieces + tail_piece_crcs(plan))
+    finish_tail(plan)
+    write_range(engine, plan, plan.tail_start, plan.file_size, options, stats)
+    engine.truncate(plan.file_size)
+
+
+__all__ = ["write_single", "write_range", "write_tail", "combine_piece_crcs", "align_down", "RangeStats"]
