@@ -1,80 +1,117 @@
-"""Synchronous save: capture, plan, write natively, commit atomically."""
+"""Save = prepare (caller's thread) + write (any thread) + commit.
+
+``prepare`` validates the path, opens the native engine on a temporary file in the
+target directory and builds the FilePlan (pickling happens here, so the object's
+*structure* is fixed at call time). ``PreparedSave.write`` copies, writes, syncs and
+publishes. The synchronous ``save`` runs both; the async pipeline runs the second half in
+the background.
+"""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from . import commit
 from .engine import EngineOptions, open_engine
 from .errors import CheckpointSerializationError
 from .plan import FilePlan, build
+from .safetensors_plan import build_safetensors
 from .stats import SaveStats
 from .writer import write_single
 
 MIN_ALIGNMENT = 4096
-
-
-def plan_object(obj: Any, alignment: int, path: str) -> FilePlan:
-    """Build the plan, turning pickling failures into one clear error naming the path."""
-    t0 = time.perf_counter()
-    try:
-        plan = build(obj, alignment)
-    except Exception as e:  # pickle raises PicklingError, TypeError, AttributeError...
-        raise CheckpointSerializationError(f"cannot serialise the checkpoint for {path}: {type(e).__name__}: {e}") from e
-    plan.serialize_seconds = time.perf_counter() - t0
-    return plan
+FORMATS = ("torch", "safetensors")
 
 
 def rename_os_error(e: OSError, final: str, tmp: str) -> OSError:
     """An OSError from writing the temp file, re-stated against the checkpoint's own path."""
     if e.errno is None:
         return e
-    err = OSError(e.errno, f"{e.strerror} (writing checkpoint {final} via temporary file {os.path.basename(tmp)})", final)
-    return err
+    return OSError(e.errno, f"{e.strerror} (writing checkpoint {final} via temporary file {os.path.basename(tmp)})", final)
 
 
-def save(obj: Any, path: str | os.PathLike, **options: Any) -> SaveStats:
-    """Write ``obj`` to ``path`` as a standard torch.save zip, fast, atomically and durably.
+class PreparedSave:
+    """A checkpoint whose layout is fixed and whose temporary file is open."""
 
-    Returns once the file is durable (data fdatasync'ed, renamed, directory fsync'ed).
-    ``torch.load(path)`` returns an object equal to ``obj``. On any error nothing is left
-    under ``path`` that was not there before, and no temporary file remains.
+    def __init__(self, obj: Any, path: str | os.PathLike, options: EngineOptions, format: str = "torch",
+                 metadata: dict[str, str] | None = None) -> None:
+        t0 = time.perf_counter()
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+        self.options = options
+        self.final = commit.check_target(os.fspath(path))
+        commit.clean(os.path.dirname(self.final))  # orphans of crashed saves into this directory
+        self.tmp = commit.temp_path(self.final)
+        self.stats = SaveStats(path=self.final)
+        try:
+            self.engine = open_engine(self.tmp, options, create=True)
+        except OSError as e:
+            raise rename_os_error(e, self.final, self.tmp) from e
+        try:
+            alignment = max(MIN_ALIGNMENT, self.engine.alignment)
+            try:
+                if format == "torch":
+                    self.plan: FilePlan = build(obj, alignment)
+                else:
+                    self.plan = build_safetensors(obj, alignment, metadata)
+            except (OSError, MemoryError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # pickle raises PicklingError, TypeError, AttributeError...
+                raise CheckpointSerializationError(
+                    f"cannot serialise the checkpoint for {self.final}: {type(e).__name__}: {e}") from e
+        except BaseException:
+            self.abort()
+            raise
+        self.stats.serialize_seconds = self.plan.serialize_seconds = time.perf_counter() - t0
+        self._t0 = t0
 
-    Options: ``backend`` ("auto" | "io_uring" | "threadpool" | "buffered"),
+    def write(self, on_body_written: Callable[[], None] | None = None) -> SaveStats:
+        """Write, sync and publish. On failure the temp file is removed and nothing is published."""
+        try:
+            with self.engine:
+                rs = write_single(self.engine, self.plan, self.options, on_body_written)
+                t_sync = time.perf_counter()
+                self.engine.sync()
+            commit.publish(self.tmp, self.final)
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError) and getattr(e, "filename", None) == self.tmp:
+                raise rename_os_error(e, self.final, self.tmp) from e
+            raise
+        st = self.stats
+        st.sync_seconds = time.perf_counter() - t_sync
+        st.bytes = self.plan.file_size
+        st.backend, st.backend_reason, st.alignment = self.engine.backend, self.engine.backend_reason, self.plan.alignment
+        st.copy_seconds, st.write_seconds = rs.copy_seconds, rs.seconds
+        st.device_copy_seconds = rs.device_copy_seconds
+        st.requests, st.short_writes = rs.requests, rs.short_writes
+        st.seconds = time.perf_counter() - self._t0
+        return st
+
+    def abort(self) -> None:
+        self.engine.close()
+        commit.discard(self.tmp)
+
+
+def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: dict[str, str] | None = None,
+         **options: Any) -> SaveStats:
+    """Write ``obj`` to ``path`` fast, atomically and durably; return the save's stats.
+
+    ``format="torch"`` (default) writes a standard torch.save zip: ``torch.load(path)``
+    returns an object equal to ``obj``, and a CRC-32C manifest inside it lets ``verify``
+    check every byte. ``format="safetensors"`` writes a flat ``{name: tensor}`` dict as a
+    safetensors file (``metadata`` goes in its header), as ``from_pretrained`` expects.
+
+    Returns once the file is durable (data fdatasync'ed, renamed, directory fsync'ed). On
+    any error nothing new is left under ``path`` and no temporary file remains.
+
+    Engine options: ``backend`` ("auto" | "io_uring" | "threadpool" | "buffered"),
     ``queue_depth``, ``chunk_bytes``, ``copy_threads``, ``io_threads``.
     """
-    t0 = time.perf_counter()
     opts, rest = EngineOptions.pick(dict(options))
     if rest:
         raise TypeError(f"fp_core.save got unknown options {sorted(rest)}")
-    final = commit.check_target(os.fspath(path))
-    commit.clean(os.path.dirname(final))  # orphans of crashed saves into this directory
-    tmp = commit.temp_path(final)
-    stats = SaveStats(path=final)
-    try:
-        engine = open_engine(tmp, opts, create=True)
-    except OSError as e:
-        raise rename_os_error(e, final, tmp) from e
-    try:
-        with engine:
-            plan = plan_object(obj, max(MIN_ALIGNMENT, engine.alignment), final)
-            rs = write_single(engine, plan, opts)
-            t_sync = time.perf_counter()
-            engine.sync()
-        commit.publish(tmp, final)
-        stats.sync_seconds = time.perf_counter() - t_sync
-    except BaseException as e:
-        commit.discard(tmp)
-        if isinstance(e, OSError) and getattr(e, "filename", None) == tmp:
-            raise rename_os_error(e, final, tmp) from e
-        raise
-    stats.bytes = plan.file_size
-    stats.backend, stats.backend_reason, stats.alignment = engine.backend, engine.backend_reason, plan.alignment
-    stats.serialize_seconds = plan.serialize_seconds
-    stats.copy_seconds, stats.write_seconds = rs.copy_seconds, rs.seconds
-    stats.device_copy_seconds = rs.device_copy_seconds
-    stats.requests, stats.short_writes = rs.requests, rs.short_writes
-    stats.seconds = time.perf_counter() - t0
-    return stats
+    return PreparedSave(obj, path, opts, format, metadata).write()

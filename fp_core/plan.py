@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,16 +33,34 @@ def align_up(x: int, a: int) -> int:
 
 @dataclass
 class StorageExtent:
-    """A tensor storage's bytes at ``offset`` in the file (one zip record)."""
+    """A tensor's bytes at ``offset`` in the file (one zip record, or one safetensors tensor).
+
+    ``source`` is a flat uint8 view of exactly those bytes, on whatever device they live;
+    ``host``, when set, is a CPU copy taken earlier (a snapshot, a device staging copy)
+    that the writer reads instead.
+    """
 
     offset: int
     length: int
-    storage: torch.UntypedStorage
-    record: int  # index into Manifest.records
+    source: torch.Tensor
+    record: int  # index into Manifest.records (or the tensor's index for safetensors)
+    host: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.host is not None or self.source.device.type == "cpu"
+
+    def addr(self) -> int:
+        """Address of the bytes to write; valid only when ``on_cpu``."""
+        return (self.host if self.host is not None else self.source).data_ptr()
+
+
+def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 @dataclass
@@ -62,22 +80,23 @@ class FilePlan:
     alignment: int
     skeleton: SparseFile
     storages: list[StorageExtent]
-    manifest: Manifest
-    manifest_header_offset: int  # where the tail (manifest + central directory) begins
-    manifest_offset: int  # the manifest record's data
-    manifest_size: int
-    manifest_central_entry: int  # offset of its central directory entry
+    manifest: Manifest | None  # None for formats without one (safetensors)
+    manifest_header_offset: int = 0  # where the tail (manifest + central directory) begins
+    manifest_offset: int = 0  # the manifest record's data
+    manifest_size: int = 0
+    manifest_central_entry: int = 0  # offset of its central directory entry
     serialize_seconds: float = 0.0
-    keepalive: list[Any] = field(default_factory=list)
 
     @property
     def tail_start(self) -> int:
         """First block that holds tail bytes: written last, once every checksum is in."""
+        if self.manifest is None:
+            return align_down(self.file_size, self.alignment)
         return align_down(self.manifest_header_offset, self.alignment)
 
     @property
-    def devices(self) -> set[str]:
-        return {s.storage.device.type for s in self.storages}
+    def storage_bytes(self) -> int:
+        return sum(s.length for s in self.storages)
 
     def pieces(self, start: int, end: int) -> Iterator[Piece]:
         """Every byte of [start, end) as skeleton or storage pieces, in file order."""
@@ -161,7 +180,7 @@ def build(obj: Any, alignment: int = 4096) -> FilePlan:
             rec = RecordInfo(info.filename, data_offset, nbytes, tensor=tensor,
                              dtype=str(dtype).removeprefix("torch."), kind="storage")
             if nbytes:
-                storages.append(StorageExtent(data_offset, nbytes, storage, len(records)))
+                storages.append(StorageExtent(data_offset, nbytes, byte_view(storage), len(records)))
         else:
             rec = RecordInfo(info.filename, data_offset, info.file_size, kind="record")
         records.append(rec)

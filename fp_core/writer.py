@@ -11,6 +11,7 @@ import struct
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,7 +19,7 @@ import torch
 from . import _native
 from .engine import EngineOptions
 from .manifest import TAIL_COMMENT_PREFIX
-from .plan import FilePlan, Piece, align_down
+from .plan import FilePlan, Piece, StorageExtent, align_down
 
 # Device tensors are copied to pinned host memory in batches of at most this many bytes
 # (or one storage, when a single storage is larger), so host memory stays bounded.
@@ -58,45 +59,49 @@ def _bytes_addr(data: bytes, keep: list) -> int:
     return arr.ctypes.data
 
 
-def _host_addr(piece: Piece, host: dict[int, torch.Tensor]) -> int:
-    s = piece.storage
-    assert s is not None
-    if s.storage.device.type == "cpu":
-        base = s.storage.data_ptr()
-    else:
-        base = host[s.record].data_ptr()
-    return base + piece.storage_start
+def _piece_addr(piece: Piece) -> int:
+    assert piece.storage is not None
+    return piece.storage.addr() + piece.storage_start
 
 
-def _stage_device_storages(pieces: list[Piece], stats: RangeStats) -> dict[int, torch.Tensor]:
-    """Copy the device storages these pieces read into pinned host memory, on a side stream."""
-    wanted = {p.storage.record: p.storage for p in pieces if p.storage and p.storage.storage.device.type != "cpu"}
-    if not wanted:
-        return {}
-    t0 = time.perf_counter()
-    host: dict[int, torch.Tensor] = {}
-    device = next(iter(wanted.values())).storage.device
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-    pin = device.type == "cuda"
-    ctx = torch.cuda.stream(stream) if stream is not None else _nullcontext()
-    with ctx:
-        for rec, s in wanted.items():
-            buf = torch.empty(s.length, dtype=torch.uint8, pin_memory=pin)
-            src = torch.empty(0, dtype=torch.uint8, device=s.storage.device).set_(s.storage)
-            buf.copy_(src, non_blocking=pin)
-            host[rec] = buf
-    if stream is not None:
+def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None = None) -> None:
+    """Give each extent a host copy (``host``), device sources via a side CUDA stream.
+
+    ``into``, when given, are preallocated uint8 buffers of the same lengths (a snapshot
+    arena); otherwise pinned (CUDA) or plain host buffers are allocated.
+    """
+    streams: dict[torch.device, Any] = {}
+    for i, s in enumerate(extents):
+        dev = s.source.device
+        pin = dev.type == "cuda"
+        buf = into[i] if into is not None else torch.empty(s.length, dtype=torch.uint8, pin_memory=pin)
+        if pin:
+            stream = streams.setdefault(dev, torch.cuda.Stream(dev))
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                buf.copy_(s.source, non_blocking=True)
+        else:
+            buf.copy_(s.source)
+        s.host = buf
+    for stream in streams.values():
         stream.synchronize()
+
+
+def _stage_device_storages(pieces: list[Piece], stats: RangeStats) -> list[StorageExtent]:
+    """Copy the device storages these pieces read into pinned host memory; return them."""
+    wanted = {id(p.storage): p.storage for p in pieces if p.storage is not None and not p.storage.on_cpu}
+    if not wanted:
+        return []
+    t0 = time.perf_counter()
+    staged = list(wanted.values())
+    copy_to_host(staged)
     stats.device_copy_seconds += time.perf_counter() - t0
-    return host
+    return staged
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def _release(staged: list[StorageExtent]) -> None:
+    for s in staged:
+        s.host = None
 
 
 def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
@@ -104,7 +109,7 @@ def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
 
     Storage data begins block-aligned, so every cut is a legal O_DIRECT range start.
     """
-    if not any(s.storage.device.type != "cpu" for s in plan.storages):
+    if all(s.on_cpu for s in plan.storages):
         return [(start, end)]
     cuts, acc = [start], 0
     for s in plan.storages:
@@ -124,19 +129,21 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
     out: list[PieceCrc] = []
     for lo, hi in _batches(plan, start, end):
         pieces = sorted(plan.pieces(lo, hi), key=lambda p: p.offset)
-        host = _stage_device_storages(pieces, stats)
-        keep: list = []
-        extents = [
-            (p.offset, _bytes_addr(p.skeleton, keep) if p.skeleton is not None else _host_addr(p, host), p.length)
-            for p in pieces
-        ]
-        t0 = time.perf_counter()
-        crcs, native_stats = engine.write(extents, lo, hi, checksum=True)
-        stats.add(native_stats, time.perf_counter() - t0)
+        staged = _stage_device_storages(pieces, stats)
+        try:
+            keep: list = []
+            extents = [
+                (p.offset, _bytes_addr(p.skeleton, keep) if p.skeleton is not None else _piece_addr(p), p.length)
+                for p in pieces
+            ]
+            t0 = time.perf_counter()
+            crcs, native_stats = engine.write(extents, lo, hi, checksum=True)
+            stats.add(native_stats, time.perf_counter() - t0)
+        finally:
+            _release(staged)
         for p, crc in zip(pieces, crcs):
             if p.storage is not None:
                 out.append(PieceCrc(p.storage.record, p.storage_start, p.length, crc))
-        del host, keep
     return out
 
 
@@ -162,14 +169,13 @@ def combine_piece_crcs(plan: FilePlan, pieces: list[PieceCrc]) -> None:
 
 def tail_piece_crcs(plan: FilePlan) -> list[PieceCrc]:
     """CRCs of storage bytes that fall inside the tail range, computed before it is written."""
-    out = []
-    stats = RangeStats()
     pieces = [p for p in plan.pieces(plan.tail_start, plan.file_size) if p.storage is not None]
-    host = _stage_device_storages(pieces, stats)
-    for p in pieces:
-        out.append(PieceCrc(p.storage.record, p.storage_start, p.length,
-                            _native.crc32c_addr(_host_addr(p, host), p.length)))
-    return out
+    staged = _stage_device_storages(pieces, RangeStats())
+    try:
+        return [PieceCrc(p.storage.record, p.storage_start, p.length, _native.crc32c_addr(_piece_addr(p), p.length))
+                for p in pieces]
+    finally:
+        _release(staged)
 
 
 def finish_tail(plan: FilePlan) -> None:
@@ -186,19 +192,27 @@ def finish_tail(plan: FilePlan) -> None:
     sk.pwrite(plan.file_size - 8, f"{tail_crc:08x}".encode())
 
 
-def write_single(engine: _native.Engine, plan: FilePlan, options: EngineOptions) -> RangeStats:
-    """One writer writes the whole file: body, then the checksummed tail."""
+def write_single(engine: _native.Engine, plan: FilePlan, options: EngineOptions,
+                 on_body_written: Any = None) -> RangeStats:
+    """One writer writes the whole file: body, then the checksummed tail.
+
+    ``on_body_written`` is called once no live tensor memory will be read again (the
+    async pipeline's fence releases there).
+    """
     stats = RangeStats()
     pieces = write_range(engine, plan, 0, plan.tail_start, options, stats)
-    write_tail(engine, plan, pieces, options, stats)
+    write_tail(engine, plan, pieces, options, stats, on_body_written)
     return stats
 
 
 def write_tail(engine: _native.Engine, plan: FilePlan, body_pieces: list[PieceCrc],
-               options: EngineOptions, stats: RangeStats) -> None:
-    combine_piece_crcs(plan, body_pieces + tail_piece_crcs(plan))
-    finish_tail(plan)
+               options: EngineOptions, stats: RangeStats, on_body_written: Any = None) -> None:
+    if plan.manifest is not None:
+        combine_piece_crcs(plan, body_pieces + tail_piece_crcs(plan))
+        finish_tail(plan)
     write_range(engine, plan, plan.tail_start, plan.file_size, options, stats)
+    if on_body_written is not None:
+        on_body_written()
     engine.truncate(plan.file_size)
 
 
