@@ -15,10 +15,15 @@ from .errors import (
 )
 from .integrity import inspect, verify
 from .loader import load
+from .pipeline import AsyncCheckpointer, AsyncCheckpointError, Handle, SaveHandle
 from .stats import SaveStats
 
 __all__ = [
     "save",
+    "AsyncCheckpointer",
+    "AsyncCheckpointError",
+    "Handle",
+    "SaveHandle",
     "load",
     "verify",
     "inspect",

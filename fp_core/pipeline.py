@@ -1,0 +1,434 @@
+"""The async pipeline: checkpoint writes overlap training, fenced at the optimizer step.
+
+Parameters and optimizer state only change inside ``optimizer.step()``. So a save can
+return at once and be written in the background while the next forward and backward
+run; a *fence* before the next step waits until the background no longer reads live
+tensor memory. Two staging policies (DESIGN D7):
+
+* ``overlap`` (the paper's): nothing is copied up front; the writer reads live tensors,
+  and the fence waits until every byte has been staged into the native engine's buffers.
+* ``snapshot``: the background first copies every tensor into a reusable host arena
+  (pinned, on a side stream, for CUDA tensors), releases the fence, then writes from the
+  copy, so the disk write runs on across steps.
+* ``auto``: snapshot when the checkpoint fits ``snapshot_budget_bytes``, else overlap.
+
+In both, tensors of at most ``small_tensor_bytes`` (BatchNorm running statistics and
+other buffers that change *during* forward) are copied on the caller's thread at save
+time, so they hold exactly their values at ``save()``.
+
+Errors in the background are never dropped: each is raised once, at the next ``save``,
+``fence``, ``wait`` or ``close`` (or by ``handle.result()``), chained to the original.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .api import PreparedSave
+from .engine import EngineOptions
+from .errors import CheckpointError
+from .plan import StorageExtent
+from .stats import SaveStats
+from .writer import copy_to_host
+
+log = logging.getLogger("fastpersist")
+
+POLICIES = ("auto", "overlap", "snapshot")
+
+
+class AsyncCheckpointError(CheckpointError):
+    """A background checkpoint job failed; the original exception is its ``__cause__``."""
+
+
+def _default_snapshot_budget() -> int:
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 16 << 30
+    return min(total // 4, 32 << 30)
+
+
+class Handle:
+    """The future of one background job (a save, or a function queued with ``enqueue``)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self._done = threading.Event()
+        self._staged = threading.Event()  # no live memory is read any more
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._reported = False
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"checkpoint job {self.path or ''} still running after {timeout} s")
+        if self._error is not None:
+            self._reported = True
+            raise AsyncCheckpointError(f"background checkpoint job {self.path or ''} failed: "
+                                       f"{type(self._error).__name__}: {self._error}") from self._error
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._done.wait(timeout)
+        return self._error
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._staged.set()
+        self._done.set()
+
+
+class SaveHandle(Handle):
+    def result(self, timeout: float | None = None) -> SaveStats:
+        return super().result(timeout)
+
+
+class _Arena:
+    """A reusable host buffer that snapshot copies are carved from."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.pin = pin
+
+    def carve(self, lengths: list[int]) -> list[torch.Tensor]:
+        out, pos = [], 0
+        for n in lengths:
+            out.append(self.buf[pos: pos + n])
+            pos += (n + 63) // 64 * 64  # keep every copy cache-line aligned
+        return out
+
+
+def _carved_size(lengths: Iterable[int]) -> int:
+    return sum((n + 63) // 64 * 64 for n in lengths)
+
+
+_live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    for ckpt in list(_live):
+        try:
+            ckpt.close()
+        except BaseException as e:  # noqa: BLE001 - at exit there is no caller left to raise to
+            log.error("fastpersist: a pending checkpoint failed at interpreter exit: %s", e)
+
+
+class AsyncCheckpointer:
+    """Background checkpoint writer with a fence before the optimizer step.
+
+    >>> ckpt = AsyncCheckpointer()
+    >>> h = ckpt.save(model.state_dict(), "step100.pt")   # returns promptly
+    >>> loss.backward()                                     # write overlaps compute
+    >>> optimizer.step()                                    # the installed hook fences
+    >>> ckpt.close()                                        # everything durable
+
+    Args:
+        policy: "auto" | "overlap" | "snapshot" (see module doc).
+        max_in_flight: saves not yet durable at once (default 1). A save beyond it waits
+            for the oldest (``when_busy="wait"``), or with ``when_busy="queue"`` returns
+            and queues behind it (at most ``max_in_flight`` more), never unbounded.
+        snapshot_budget_bytes: host memory the snapshot policy may hold (default: a
+            quarter of RAM, at most 32 GiB).
+        small_tensor_bytes: tensors up to this size are copied at save time.
+        install_optimizer_hook: install a global torch.optim step pre-hook while a save
+            still reads live memory, so every optimizer.step() fences first.
+        **engine_options: passed to the native engine (backend, queue_depth, ...).
+    """
+
+    def __init__(self, policy: str = "auto", max_in_flight: int = 1, when_busy: str = "wait",
+                 snapshot_budget_bytes: int | None = None, small_tensor_bytes: int = 1 << 20,
+                 install_optimizer_hook: bool = True, **engine_options: Any) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
+        if when_busy not in ("wait", "queue"):
+            raise ValueError(f"when_busy must be 'wait' or 'queue', not {when_busy!r}")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        self.policy = policy
+        self.max_in_flight = max_in_flight
+        self.when_busy = when_busy
+        self.snapshot_budget_bytes = _default_snapshot_budget() if snapshot_budget_bytes is None else snapshot_budget_bytes
+        self.small_tensor_bytes = small_tensor_bytes
+        self.install_optimizer_hook = install_optimizer_hook
+        self.options, rest = EngineOptions.pick(dict(engine_options))
+        if rest:
+            raise TypeError(f"AsyncCheckpointer got unknown options {sorted(rest)}")
+        self._cv = threading.Condition()
+        self._jobs: deque[tuple[Handle, Callable[[], Any]]] = deque()
+        self._saves: list[SaveHandle] = []  # saves not yet done, in order
+        self._finished: list[Handle] = []  # done with an error nobody has seen yet
+        self._arenas: list[_Arena] = []
+        self._thread: threading.Thread | None = None
+        self._hook: Any = None
+        self._running = False
+        self._closed = False
+        _live.add(self)
+
+    # ------------------------------------------------------------------ public API
+    def save(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
+             metadata: dict[str, str] | None = None,
+             on_commit: Callable[[str, SaveStats], None] | None = None) -> SaveHandle:
+        """Start saving ``obj`` to ``path``; return at once with a handle.
+
+        The object's structure is pickled now; tensor bytes are read in the background
+        until the fence. ``on_commit(path, stats)`` runs after the file is durable under
+        its final name (move "latest" pointers, rotate old checkpoints there).
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        self._raise_pending()
+        self._admit()
+        prepared = PreparedSave(obj, path, self.options, format, metadata)
+        plan = prepared.plan
+        policy = self._choose_policy(plan.storage_bytes)
+        small = [s for s in plan.storages if s.length <= self.small_tensor_bytes]
+        try:
+            copy_to_host(small)  # values of buffers that change during forward, fixed now
+        except BaseException:
+            prepared.abort()
+            raise
+        handle = SaveHandle(prepared.final)
+        big = [s for s in plan.storages if s.host is None]
+
+        def run() -> SaveStats:
+            return self._run_save(prepared, policy, big, handle, on_commit)
+
+        prepared.stats.policy = policy
+        with self._cv:
+            self._saves.append(handle)
+            self._jobs.append((handle, run))
+            self._ensure_worker()
+            self._cv.notify_all()
+        self._install_hook()
+        prepared.stats.blocked_seconds = time.perf_counter() - t0
+        return handle
+
+    def enqueue(self, fn: Callable[..., Any], *args: Any, after: Iterable[Handle] | None = None) -> Handle:
+        """Run ``fn(*args)`` on the background worker after earlier jobs.
+
+        ``after`` (default: every save still pending now) must all have succeeded, or
+        ``fn`` is skipped and its handle carries the first failure.
+        """
+        self._check_open()
+        with self._cv:
+            deps = list(self._saves) if after is None else list(after)
+        handle = Handle(getattr(fn, "__name__", "job"))
+
+        def run() -> Any:
+            for d in deps:
+                d._done.wait()
+                if d._error is not None:
+                    d._reported = True  # reported through this job's handle instead
+                    raise AsyncCheckpointError(f"skipped: {d.path} failed") from d._error
+            return fn(*args)
+
+        with self._cv:
+            self._jobs.append((handle, run))
+            self._ensure_worker()
+            self._cv.notify_all()
+        return handle
+
+    def fence(self) -> None:
+        """Block until no in-flight save still reads live training memory."""
+        with self._cv:
+            pending = list(self._saves)
+        for h in pending:
+            h._staged.wait()
+        self._maybe_remove_hook()
+        self._raise_pending()
+
+    def wait(self) -> None:
+        """Block until every queued job is finished (durable), then raise any failure."""
+        with self._cv:
+            while self._jobs or self._running:
+                self._cv.wait()
+        self._maybe_remove_hook()
+        self._raise_pending()
+
+    def pending(self, path: str | os.PathLike | None = None) -> bool:
+        with self._cv:
+            if path is None:
+                return bool(self._jobs or self._running)
+            p = os.path.abspath(os.fspath(path))
+            return any(h.path == p for h in self._saves)
+
+    def wait_for(self, path: str | os.PathLike) -> None:
+        """Block until pending saves of ``path`` are durable (raising their failure)."""
+        p = os.path.abspath(os.fspath(path))
+        with self._cv:
+            mine = [h for h in self._saves if h.path == p]
+        for h in mine:
+            h._done.wait()
+        self._raise_pending()
+
+    def close(self) -> None:
+        """Drain pending work, stop the worker, free the arenas. Raises a pending failure."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            self._remove_hook()
+            self._arenas.clear()
+            _live.discard(self)
+
+    def __enter__(self) -> AsyncCheckpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # an exception is already in flight: drain, but do not mask it
+            self.close()
+        except BaseException as e:  # noqa: BLE001
+            log.error("fastpersist: pending checkpoint failed while handling another error: %s", e)
+
+    # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("AsyncCheckpointer is closed")
+
+    def _choose_policy(self, nbytes: int) -> str:
+        if self.policy == "overlap":
+            return "overlap"
+        if nbytes <= self.snapshot_budget_bytes:
+            return "snapshot"
+        if self.policy == "snapshot":
+            log.warning("fastpersist: checkpoint of %d bytes exceeds snapshot_budget_bytes=%d; "
+                        "writing it with the overlap policy", nbytes, self.snapshot_budget_bytes)
+        return "overlap"
+
+    def _admit(self) -> None:
+        limit = self.max_in_flight * (2 if self.when_busy == "queue" else 1)
+        with self._cv:
+            while len(self._saves) >= limit:
+                self._cv.wait()
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
+        with self._cv:
+            failed = [h for h in self._finished if not h._reported]
+            self._finished = []
+        if failed:
+            h = failed[0]
+            for other in failed[1:]:
+                log.error("fastpersist: another background checkpoint failed too: %s: %s", other.path, other._error)
+                other._reported = True
+            h.result()  # raises, chained
+
+    def _ensure_worker(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._worker, name="fastpersist-writer", daemon=True)
+            self._thread.start()
+
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                handle, run = self._jobs.popleft()
+                self._running = True
+            result, error = None, None
+            try:
+                result = run()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller, never dropped
+                error = e
+            handle._finish(result, error)
+            with self._cv:
+                if isinstance(handle, SaveHandle) and handle in self._saves:
+                    self._saves.remove(handle)
+                if error is not None and not handle._reported:
+                    self._finished.append(handle)
+                self._running = False
+                self._cv.notify_all()
+
+    def _run_save(self, prepared: PreparedSave, policy: str, big: list[StorageExtent], handle: SaveHandle,
+                  on_commit: Callable[[str, SaveStats], None] | None) -> SaveStats:
+        arena = None
+        try:
+            if policy == "snapshot" and big:
+                t0 = time.perf_counter()
+                arena = self._take_arena(big)
+                try:
+                    copy_to_host(big, into=arena.carve([s.length for s in big]))
+                except BaseException:
+                    prepared.abort()
+                    raise
+                prepared.stats.extra["snapshot_seconds"] = time.perf_counter() - t0
+                handle._staged.set()
+            stats = prepared.write(on_body_written=handle._staged.set)
+        finally:
+            handle._staged.set()
+            for s in big:
+                s.host = None
+            if arena is not None:
+                self._give_arena(arena)
+        if on_commit is not None:
+            on_commit(prepared.final, stats)
+        return stats
+
+    def _take_arena(self, big: list[StorageExtent]) -> _Arena:
+        need = _carved_size(s.length for s in big)
+        pin = any(s.source.device.type == "cuda" for s in big)
+        with self._cv:
+            for i, a in enumerate(self._arenas):
+                if a.buf.numel() >= need and a.pin == pin:
+                    return self._arenas.pop(i)
+        return _Arena(need, pin)
+
+    def _give_arena(self, arena: _Arena) -> None:
+        with self._cv:
+            self._arenas.append(arena)
+            # keep at most max_in_flight arenas, the largest ones
+            self._arenas.sort(key=lambda a: -a.buf.numel())
+            del self._arenas[self.max_in_flight:]
+
+    def _install_hook(self) -> None:
+        if not self.install_optimizer_hook:
+            return
+        with self._cv:
+            if self._hook is None:
+                self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.fence()
+
+    def _maybe_remove_hook(self) -> None:
+        with self._cv:
+            busy = any(not h._staged.is_set() for h in self._saves)
+        if not busy:
+            self._remove_hook()
+
+    def _remove_hook(self) -> None:
+        with self._cv:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+
+    @property
+    def hook_installed(self) -> bool:
+        return self._hook is not None
