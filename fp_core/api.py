@@ -68,14 +68,18 @@ class PreparedSave:
         self.stats.serialize_seconds = self.plan.serialize_seconds = time.perf_counter() - t0
         self._t0 = t0
 
-    def write(self, on_body_written: Callable[[], None] | None = None) -> SaveStats:
-        """Write, sync and publish. On failure the temp file is removed and nothing is published."""
+    def write(self, on_body_written: Callable[[], None] | None = None, publish: bool = True) -> SaveStats:
+        """Write, sync and (unless ``publish=False``) publish.
+
+        On failure the temp file is removed and nothing is published.
+        """
         try:
             with self.engine:
                 rs = write_single(self.engine, self.plan, self.options, on_body_written)
                 t_sync = time.perf_counter()
                 self.engine.sync()
-            commit.publish(self.tmp, self.final)
+            if publish:
+                self.publish()
         except BaseException as e:
             self.abort()
             if isinstance(e, OSError) and getattr(e, "filename", None) == self.tmp:
@@ -91,13 +95,16 @@ class PreparedSave:
         st.seconds = time.perf_counter() - self._t0
         return st
 
+    def publish(self) -> None:
+        commit.publish(self.tmp, self.final)
+
     def abort(self) -> None:
         self.engine.close()
         commit.discard(self.tmp)
 
 
 def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: dict[str, str] | None = None,
-         **options: Any) -> SaveStats:
+         group: Any = None, topology: Any = "replica", sharded: bool = False, **options: Any) -> SaveStats:
     """Write ``obj`` to ``path`` fast, atomically and durably; return the save's stats.
 
     ``format="torch"`` (default) writes a standard torch.save zip: ``torch.load(path)``
@@ -110,7 +117,21 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
 
     Engine options: ``backend`` ("auto" | "io_uring" | "threadpool" | "buffered"),
     ``queue_depth``, ``chunk_bytes``, ``copy_threads``, ``io_threads``.
+
+    Collective saves (every rank of ``group``, a torch.distributed process group, calls
+    this): ranks holding the same state write one file together, each a near-equal byte
+    range (``topology``: "replica" = every rank, "node" = one per host, an int k = k per
+    host, or a list of ranks); ``sharded=True`` when each rank holds different state and
+    writes its own ``path``, all-or-nothing. See :mod:`fp_core.distributed`.
     """
+    if group is not None or sharded:
+        from . import distributed
+
+        if format != "torch":
+            raise ValueError("collective saves write the torch format")
+        if sharded:
+            return distributed.save_sharded(obj, path, group, **options)
+        return distributed.save_collective(obj, path, group, topology=topology, **options)
     opts, rest = EngineOptions.pick(dict(options))
     if rest:
         raise TypeError(f"fp_core.save got unknown options {sorted(rest)}")

@@ -1,0 +1,55 @@
+"""Cut a file's byte range into near-equal, block-aligned ranges and pick who writes them.
+
+Partitioning cuts bytes, not tensors (DESIGN D4): a writer's range may start or end in
+the middle of a tensor. Every range but the last starts and ends on a block boundary, so
+each writer's O_DIRECT writes never touch another writer's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def split_range(start: int, end: int, writers: int, alignment: int) -> list[tuple[int, int]]:
+    """``writers`` contiguous ranges covering [start, end), each within one block of equal.
+
+    ``start`` must be aligned. Ranges may be empty when there are more writers than blocks.
+    """
+    if writers < 1:
+        raise ValueError("writers must be >= 1")
+    if start % alignment:
+        raise ValueError(f"range start {start} is not a multiple of the alignment {alignment}")
+    blocks = -(-(end - start) // alignment)
+    base, extra = divmod(blocks, writers)
+    out, b = [], 0
+    for w in range(writers):
+        nb = base + (1 if w < extra else 0)
+        lo, hi = start + b * alignment, min(end, start + (b + nb) * alignment)
+        out.append((min(lo, end), hi))
+        b += nb
+    return out
+
+
+def select_writers(topology: str | int | Sequence[int], world: int, hosts: Sequence[str]) -> list[int]:
+    """Which ranks (of ``world``, whose hostnames are ``hosts``) write.
+
+    ``"replica"``: every rank (the default: data-parallel ranks hold identical state);
+    ``"node"``: the first rank on each host; an int ``k``: the first k ranks on each host;
+    a sequence of ranks: exactly those.
+    """
+    if topology == "replica":
+        return list(range(world))
+    if isinstance(topology, str) and topology != "node":
+        raise ValueError(f"topology must be 'replica', 'node', an int or a list of ranks, not {topology!r}")
+    if topology == "node" or isinstance(topology, int):
+        k = 1 if topology == "node" else int(topology)
+        if k < 1:
+            raise ValueError("writers per node must be >= 1")
+        per_host: dict[str, list[int]] = {}
+        for r, h in enumerate(hosts):
+            per_host.setdefault(h, []).append(r)
+        return sorted(r for ranks in per_host.values() for r in ranks[:k])
+    ranks = sorted(set(int(r) for r in topology))
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world:
+        raise ValueError(f"writer ranks {list(topology)} are not within 0..{world - 1}")
+    return ranks
