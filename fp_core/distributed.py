@@ -32,12 +32,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import commit
+from . import _native, commit
 from .api import MIN_ALIGNMENT, PreparedSave, rename_os_error
 from .engine import EngineOptions, open_engine
 from .errors import CheckpointError
 from .partition import select_writers, split_range
-from .plan import FilePlan, build
+from .plan import FilePlan, StorageExtent, build
 from .skeleton import SparseFile
 from .stats import SaveStats
 from .writer import RangeStats, write_range, write_tail
@@ -69,8 +69,28 @@ def coordination_group(group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) 
     return _coord_groups[ranks]
 
 
+_SAMPLES, _WINDOW = 8, 64
+
+
+def _sample_crc(s: StorageExtent) -> int:
+    """CRC of a few 64-byte windows spread over a storage: a cheap replica check.
+
+    Hashing every byte would cost a full read of the checkpoint before writing it; the
+    samples catch replicas that drifted apart (different seeds, a rank that skipped a
+    step) at the cost of a few cache lines per tensor.
+    """
+    n = s.length
+    if s.source.device.type != "cpu":
+        return _native.crc32c(s.source[: min(n, _WINDOW)].cpu().numpy().tobytes())
+    crc, base = 0, s.source.data_ptr()
+    for i in range(_SAMPLES):
+        off = min(n - 1, i * n // _SAMPLES)
+        crc = _native.crc32c_addr(base + off, min(_WINDOW, n - off), crc)
+    return crc
+
+
 def _layout_digest(plan: FilePlan) -> str:
-    """What every writer must agree on: storage layout and pickled structure.
+    """What every writer must agree on: layout, pickled structure and sampled contents.
 
     torch's ``.data/serialization_id`` record differs per process by design, so it is
     excluded; rank 0's copy is the one written.
@@ -81,6 +101,8 @@ def _layout_digest(plan: FilePlan) -> str:
         if r.name.endswith("/.data/serialization_id"):
             continue
         h.update(f"{r.name}:{r.offset}:{r.size}:{r.dtype}:{r.kind}:{r.crc32c if r.kind == 'record' else ''};".encode())
+    for s in plan.storages:
+        h.update(f"{s.offset}:{_sample_crc(s):08x};".encode())
     return h.hexdigest()
 
 
@@ -158,9 +180,9 @@ def save_collective(obj: Any, path: str | os.PathLike, group: Any = None, *, top
         writers = select_writers(topology, world, [s[3] for s in statuses])
         if len(digests) > 1:
             if rank == 0:
-                log.warning("fastpersist: ranks hold different checkpoint layouts for %s (%d distinct); "
-                            "rank 0 writes the whole file alone. Use sharded=True for per-rank state.",
-                            final, len(digests))
+                log.warning("fastpersist: ranks hold different checkpoint contents for %s (%d distinct layouts "
+                            "or sampled values); rank 0 writes the whole file alone. Use sharded=True when "
+                            "each rank holds its own state.", final, len(digests))
             writers = [0]
         else:
             # Everyone writes rank 0's skeleton bytes, so the file is exactly rank 0's layout.
@@ -221,6 +243,7 @@ def save_collective(obj: Any, path: str | os.PathLike, group: Any = None, *, top
     stats.requests, stats.short_writes = rs.requests, rs.short_writes
     stats.extra["rank_bytes"] = rs.bytes
     stats.extra["writer_ranks"] = writers
+    stats.extra["tail_start"] = plan.tail_start
     stats.seconds = time.perf_counter() - t0
     return stats
 

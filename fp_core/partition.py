@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 
 def split_range(start: int, end: int, writers: int, alignment: int) -> list[tuple[int, int]]:
-    """``writers`` contiguous ranges covering [start, end), each within one block of equal.
+    """``writers`` contiguous ranges covering [start, end), each within one block of the mean.
 
     ``start`` must be aligned. Ranges may be empty when there are more writers than blocks.
     """
@@ -19,15 +19,12 @@ def split_range(start: int, end: int, writers: int, alignment: int) -> list[tupl
         raise ValueError("writers must be >= 1")
     if start % alignment:
         raise ValueError(f"range start {start} is not a multiple of the alignment {alignment}")
-    blocks = -(-(end - start) // alignment)
-    base, extra = divmod(blocks, writers)
-    out, b = [], 0
-    for w in range(writers):
-        nb = base + (1 if w < extra else 0)
-        lo, hi = start + b * alignment, min(end, start + (b + nb) * alignment)
-        out.append((min(lo, end), hi))
-        b += nb
-    return out
+    n = end - start
+    # Each cut is the exact share boundary rounded to the nearest block, so every share
+    # is within one block of n / writers.
+    cuts = [start] + [start + min(n, round(i * n / writers / alignment) * alignment)
+                      for i in range(1, writers)] + [end]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def select_writers(topology: str | int | Sequence[int], world: int, hosts: Sequence[str]) -> list[int]:

@@ -1,0 +1,90 @@
+"""A rank of a collective-save test: run as a real process, report through a JSON file.
+
+Usage: python dist_worker.py SCENARIO RANK WORLD PORT DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import fp_core  # noqa: E402
+import fp_core.distributed  # noqa: E402
+from fp_core import _native  # noqa: E402
+
+
+def state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(1_500_000, generator=g), "b": torch.randn(4097, generator=g),
+                  "emb": torch.randn(300, 77, generator=g).to(torch.bfloat16)},
+        "optim": {"step": 7, "exp_avg": torch.randn(1_500_000, generator=g)},
+        "meta": {"epoch": 3, "name": "run"},
+    }
+
+
+def main() -> None:
+    scenario, rank, world, port, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result: dict = {"rank": rank}
+    try:
+        path = os.path.join(d, "ckpt.pt")
+        if scenario == "replica":
+            st = fp_core.save(state(), path, group=dist.group.WORLD)
+            result.update(writers=st.writers, rank_bytes=st.extra["rank_bytes"], ranks=st.extra["writer_ranks"],
+                          tail_start=st.extra["tail_start"])
+        elif scenario.startswith("topology:"):
+            topo = json.loads(scenario.split(":", 1)[1])
+            st = fp_core.save(state(), path, group=dist.group.WORLD, topology=topo)
+            result.update(writers=st.writers, rank_bytes=st.extra["rank_bytes"], ranks=st.extra["writer_ranks"])
+        elif scenario == "mismatch":  # same layout, replicas drifted apart
+            st = fp_core.save(state(seed=rank), path, group=dist.group.WORLD)
+            result.update(writers=st.writers, ranks=st.extra["writer_ranks"])
+        elif scenario == "layout_mismatch":
+            obj = state()
+            if rank == 1:
+                obj["model"]["extra"] = torch.zeros(10)
+            st = fp_core.save(obj, path, group=dist.group.WORLD)
+            result.update(writers=st.writers, ranks=st.extra["writer_ranks"])
+        elif scenario == "sharded":
+            st = fp_core.save({"shard": torch.full((1000,), float(rank))}, os.path.join(d, f"shard{rank}.pt"),
+                              group=dist.group.WORLD, sharded=True)
+            result.update(bytes=st.bytes)
+        elif scenario == "sharded_fail":
+            if rank == 1:
+                _native.inject_fault("write", errno=5)
+            fp_core.save({"shard": torch.full((1000,), float(rank))}, os.path.join(d, f"shard{rank}.pt"),
+                         group=dist.group.WORLD, sharded=True)
+        elif scenario == "fail":
+            if rank == 1:
+                _native.inject_fault("write", errno=5)
+            fp_core.save(state(), path, group=dist.group.WORLD)
+        elif scenario == "kill":
+            if rank == 1:
+                # die in the middle of the collective save: after planning, before writing
+                orig = fp_core.distributed.write_range
+
+                def dying(*a, **k):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    return orig(*a, **k)
+
+                fp_core.distributed.write_range = dying
+            fp_core.save(state(), path, group=dist.group.WORLD, timeout_s=30)
+        result["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
+    with open(os.path.join(d, f"result{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # skip destroy_process_group: a dead peer would make it hang
+
+
+if __name__ == "__main__":
+    main()
