@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import _native, commit
 from .api import MIN_ALIGNMENT, PreparedSave, rename_os_error
 from .engine import EngineOptions, open_engine
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointSerializationError
 from .partition import select_writers, split_range
 from .plan import FilePlan, StorageExtent, build
 from .skeleton import SparseFile
@@ -130,122 +130,156 @@ def _failures(statuses: list[Any]) -> list[str]:
     return [f"rank {r}: {s[1]}" for r, s in enumerate(statuses) if not s[0]]
 
 
+class CollectiveSave:
+    """One collective save: planned on the caller's thread, run (anywhere) by ``run``.
+
+    Planning first pickles the object, so its structure and small tensors are fixed at
+    call time; the async pipeline runs ``run`` on its worker. A planning error is not
+    raised here: every rank must still enter the collective, learn of it and fail together.
+    """
+
+    def __init__(self, obj: Any, path: str | os.PathLike, group: Any = None, *, topology: Any = "replica",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, options: EngineOptions | None = None) -> None:
+        self.t0 = time.perf_counter()
+        self.opts = options or EngineOptions()
+        self.topology = topology
+        self.cg = coordination_group(group, timeout_s)
+        self.final = os.path.abspath(os.fspath(path))
+        self.stats = SaveStats(path=self.final)
+        self.plan: FilePlan | None = None
+        self.plan_error: BaseException | None = None
+        try:
+            self.plan = build(obj, MIN_ALIGNMENT)
+        except Exception as e:  # noqa: BLE001 - reported collectively in run()
+            self.plan_error = e
+        self.stats.serialize_seconds = time.perf_counter() - self.t0
+
+    def run(self, on_body_written: Any = None) -> SaveStats:
+        cg, final, opts, plan = self.cg, self.final, self.opts, self.plan
+        rank, world = dist.get_rank(cg), dist.get_world_size(cg)
+        stats = self.stats
+
+        # 1. rank 0 validates the target and creates the temp file; everyone learns the outcome.
+        engine = None
+        first_error: BaseException | None = None
+        header: tuple[bool, str, str] = (True, "", "")
+        if rank == 0:
+            try:
+                commit.check_target(final)
+                commit.clean(os.path.dirname(final))
+                tmp = commit.temp_path(final)
+                engine = open_engine(tmp, opts, create=True)
+                if MIN_ALIGNMENT % engine.alignment:
+                    engine.close()
+                    commit.discard(tmp)
+                    raise CheckpointError(f"{final}: the filesystem needs {engine.alignment}-byte alignment; "
+                                          f"collective saves support up to {MIN_ALIGNMENT}")
+                header = (True, "", tmp)
+            except Exception as e:  # noqa: BLE001 - broadcast, then raised on every rank
+                header = (False, f"{type(e).__name__}: {e}", "")
+                first_error = e
+        ok, err, tmp = _broadcast(header, cg)
+        if not ok:
+            if first_error is not None:
+                raise first_error
+            raise CollectiveSaveError(f"collective save of {final} failed on rank 0: {err}")
+
+        try:
+            # 2. agree on the layout, choose the writers.
+            if plan is not None:
+                status = (True, "", _layout_digest(plan), socket.gethostname())
+            else:
+                status = (False, f"{type(self.plan_error).__name__}: {self.plan_error}", "", socket.gethostname())
+            statuses = _all_gather(status, cg)
+            if _failures(statuses):
+                if self.plan_error is not None:
+                    raise CheckpointSerializationError(
+                        f"cannot serialise the checkpoint for {final}: {status[1]}") from self.plan_error
+                raise CollectiveSaveError(f"collective save of {final} failed: {'; '.join(_failures(statuses))}")
+            assert plan is not None
+            digests = {s[2] for s in statuses}
+            writers = select_writers(self.topology, world, [s[3] for s in statuses])
+            if len(digests) > 1:
+                if rank == 0:
+                    log.warning("fastpersist: ranks hold different checkpoint contents for %s (%d distinct layouts "
+                                "or sampled values); rank 0 writes the whole file alone. Use sharded=True when "
+                                "each rank holds its own state.", final, len(digests))
+                writers = [0]
+            else:
+                # Everyone writes rank 0's skeleton bytes, so the file is exactly rank 0's layout.
+                segs = _broadcast(plan.skeleton.segments() if rank == 0 else None, cg)
+                if rank != 0:
+                    plan.skeleton = _skeleton_from(segs, plan.file_size)
+
+            # 3. each writer writes its share of the body into the shared temp file.
+            ranges = split_range(0, plan.tail_start, len(writers), plan.alignment)
+            rs = RangeStats()
+            pieces: list = []
+            status2: tuple[bool, str, list] = (True, "", [])
+            try:
+                if rank in writers:
+                    lo, hi = ranges[writers.index(rank)]
+                    if engine is None:
+                        engine = open_engine(tmp, opts, create=False)
+                    if hi > lo:
+                        pieces = write_range(engine, plan, lo, hi, opts, rs)
+                status2 = (True, "", pieces)
+            except Exception as e:  # noqa: BLE001
+                status2 = (False, f"{type(e).__name__}: {e}", [])
+            if rank != 0 and on_body_written is not None:
+                on_body_written()  # rank 0 still reads the tail's storage bytes below
+            if engine is not None and rank != 0 and status2[0]:
+                try:
+                    engine.sync()
+                except OSError as e:
+                    status2 = (False, f"{type(e).__name__}: {e}", [])
+            statuses2 = _all_gather(status2, cg)
+            if _failures(statuses2):
+                raise CollectiveSaveError(f"collective save of {final} failed: {'; '.join(_failures(statuses2))}")
+
+            # 4. rank 0 writes the tail and commits; everyone learns the outcome.
+            outcome = (True, "")
+            if rank == 0:
+                try:
+                    all_pieces = [p for s in statuses2 for p in s[2]]
+                    write_tail(engine, plan, all_pieces, opts, rs, on_body_written)
+                    engine.sync()
+                    engine.close()
+                    commit.publish(tmp, final)
+                except Exception as e:  # noqa: BLE001
+                    outcome = (False, f"{type(e).__name__}: {e}")
+            outcome = _broadcast(outcome, cg)
+            if not outcome[0]:
+                raise CollectiveSaveError(f"collective save of {final} failed on rank 0 at commit: {outcome[1]}")
+        except BaseException as e:
+            if engine is not None:
+                engine.close()
+            if rank == 0:
+                commit.discard(tmp)
+                if isinstance(e, OSError) and getattr(e, "filename", None) == tmp:
+                    raise rename_os_error(e, final, tmp) from e
+            raise
+        finally:
+            if engine is not None:
+                engine.close()
+
+        stats.bytes = plan.file_size
+        stats.writers = len(writers)
+        stats.alignment = plan.alignment
+        stats.write_seconds, stats.copy_seconds = rs.seconds, rs.copy_seconds
+        stats.requests, stats.short_writes = rs.requests, rs.short_writes
+        stats.extra.update(rank_bytes=rs.bytes, writer_ranks=writers, tail_start=plan.tail_start)
+        stats.seconds = time.perf_counter() - self.t0
+        return stats
+
+
 def save_collective(obj: Any, path: str | os.PathLike, group: Any = None, *, topology: Any = "replica",
                     timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any) -> SaveStats:
     """Write one checkpoint from every rank of ``group`` (see module doc)."""
-    t0 = time.perf_counter()
     opts, rest = EngineOptions.pick(dict(options))
     if rest:
         raise TypeError(f"save_collective got unknown options {sorted(rest)}")
-    cg = coordination_group(group, timeout_s)
-    rank, world = dist.get_rank(cg), dist.get_world_size(cg)
-    final = os.path.abspath(os.fspath(path))
-    stats = SaveStats(path=final)
-
-    # 1. rank 0 validates the target and creates the temp file; everyone learns the outcome.
-    engine = None
-    first_error: BaseException | None = None
-    header: tuple[bool, str, str, int] = (True, "", "", 0)
-    if rank == 0:
-        try:
-            commit.check_target(final)
-            commit.clean(os.path.dirname(final))
-            tmp = commit.temp_path(final)
-            engine = open_engine(tmp, opts, create=True)
-            header = (True, "", tmp, max(MIN_ALIGNMENT, engine.alignment))
-        except Exception as e:  # noqa: BLE001 - broadcast, then raised on every rank
-            header = (False, f"{type(e).__name__}: {e}", "", 0)
-            first_error: BaseException | None = e
-    ok, err, tmp, alignment = _broadcast(header, cg)
-    if not ok:
-        if rank == 0 and first_error is not None:
-            raise first_error
-        raise CollectiveSaveError(f"collective save of {final} failed on rank 0: {err}")
-
-    plan: FilePlan | None = None
-    try:
-        # 2. lay out locally, agree on the layout, choose the writers.
-        t_plan = time.perf_counter()
-        status: tuple[bool, str, str, str] = (True, "", "", socket.gethostname())
-        try:
-            plan = build(obj, alignment)
-            status = (True, "", _layout_digest(plan), socket.gethostname())
-        except Exception as e:  # noqa: BLE001
-            status = (False, f"{type(e).__name__}: {e}", "", socket.gethostname())
-        stats.serialize_seconds = time.perf_counter() - t_plan
-        statuses = _all_gather(status, cg)
-        if _failures(statuses):
-            raise CollectiveSaveError(f"collective save of {final} failed: {'; '.join(_failures(statuses))}")
-        digests = {s[2] for s in statuses}
-        writers = select_writers(topology, world, [s[3] for s in statuses])
-        if len(digests) > 1:
-            if rank == 0:
-                log.warning("fastpersist: ranks hold different checkpoint contents for %s (%d distinct layouts "
-                            "or sampled values); rank 0 writes the whole file alone. Use sharded=True when "
-                            "each rank holds its own state.", final, len(digests))
-            writers = [0]
-        else:
-            # Everyone writes rank 0's skeleton bytes, so the file is exactly rank 0's layout.
-            segs = _broadcast(plan.skeleton.segments() if rank == 0 else None, cg)
-            if rank != 0:
-                plan.skeleton = _skeleton_from(segs, plan.file_size)
-
-        # 3. each writer writes its share of the body into the shared temp file.
-        ranges = split_range(0, plan.tail_start, len(writers), plan.alignment)
-        rs = RangeStats()
-        pieces: list = []
-        status2: tuple[bool, str, list] = (True, "", [])
-        try:
-            if rank in writers:
-                lo, hi = ranges[writers.index(rank)]
-                if engine is None:
-                    engine = open_engine(tmp, opts, create=False)
-                if hi > lo:
-                    pieces = write_range(engine, plan, lo, hi, opts, rs)
-                    engine.sync()
-            status2 = (True, "", pieces)
-        except Exception as e:  # noqa: BLE001
-            status2 = (False, f"{type(e).__name__}: {e}", [])
-        statuses2 = _all_gather(status2, cg)
-        if _failures(statuses2):
-            raise CollectiveSaveError(f"collective save of {final} failed: {'; '.join(_failures(statuses2))}")
-
-        # 4. rank 0 writes the tail and commits; everyone learns the outcome.
-        outcome = (True, "")
-        if rank == 0:
-            try:
-                all_pieces = [p for s in statuses2 for p in s[2]]
-                write_tail(engine, plan, all_pieces, opts, rs)
-                engine.sync()
-                engine.close()
-                commit.publish(tmp, final)
-            except Exception as e:  # noqa: BLE001
-                outcome = (False, f"{type(e).__name__}: {e}")
-        outcome = _broadcast(outcome, cg)
-        if not outcome[0]:
-            raise CollectiveSaveError(f"collective save of {final} failed on rank 0 at commit: {outcome[1]}")
-    except BaseException as e:
-        if engine is not None:
-            engine.close()
-        if rank == 0:
-            commit.discard(tmp)
-            if isinstance(e, OSError) and getattr(e, "filename", None) == tmp:
-                raise rename_os_error(e, final, tmp) from e
-        raise
-    finally:
-        if engine is not None:
-            engine.close()
-
-    stats.bytes = plan.file_size
-    stats.writers = len(writers)
-    stats.alignment = plan.alignment
-    stats.write_seconds, stats.copy_seconds = rs.seconds, rs.copy_seconds
-    stats.requests, stats.short_writes = rs.requests, rs.short_writes
-    stats.extra["rank_bytes"] = rs.bytes
-    stats.extra["writer_ranks"] = writers
-    stats.extra["tail_start"] = plan.tail_start
-    stats.seconds = time.perf_counter() - t0
-    return stats
+    return CollectiveSave(obj, path, group, topology=topology, timeout_s=timeout_s, options=opts).run()
 
 
 def save_sharded(obj: Any, path: str | os.PathLike, group: Any = None, *,

@@ -1,0 +1,508 @@
+"""Tests of the native I/O engine fp_core._native (bytes, files and offsets only)."""
+
+import errno
+import gc
+import os
+import threading
+
+import numpy as np
+import pytest
+
+try:
+    from fp_core import _native
+except ImportError:  # the Python side of the package may be mid-change: load the extension alone
+    import glob
+    import importlib.machinery
+    import importlib.util
+
+    _here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _so = glob.glob(os.path.join(_here, "fp_core", "_native*.so"))
+    if not _so:
+        raise
+    _loader = importlib.machinery.ExtensionFileLoader("fp_core._native", _so[0])
+    _spec = importlib.util.spec_from_file_location("fp_core._native", _so[0], loader=_loader)
+    _native = importlib.util.module_from_spec(_spec)
+    _loader.exec_module(_native)
+
+KiB = 1024
+MiB = 1024 * KiB
+SHM = "/dev/shm"
+BACKENDS = ["io_uring", "threadpool", "buffered", "auto"]
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def py_crc32c(data: bytes, crc: int = 0) -> int:
+    """Bitwise reference CRC-32C (slow: keep inputs small)."""
+    table = _py_table()
+    crc ^= 0xFFFFFFFF
+    for b in data:
+        crc = table[(crc ^ b) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+_TABLE = []
+
+
+def _py_table():
+    if not _TABLE:
+        for n in range(256):
+            c = n
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+            _TABLE.append(c)
+    return _TABLE
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults():
+    _native.inject_fault(None)
+    yield
+    _native.inject_fault(None)
+
+
+def make_layout(rng, total, n, *, max_len=None, src_pad=64):
+    """Random non-overlapping extents with gaps inside [0, total).
+
+    Returns (extents, keep, expected) where keep holds the source arrays alive and
+    expected is the file image with zeros in the gaps.
+    """
+    max_len = max_len or max(1, total // n)
+    cuts = np.sort(rng.choice(np.arange(1, total), size=2 * n, replace=False))
+    extents, keep = [], []
+    expected = np.zeros(total, dtype=np.uint8)
+    for i in range(n):
+        a, b = int(cuts[2 * i]), int(cuts[2 * i + 1])
+        b = min(b, a + max_len)
+        length = b - a
+        shift = int(rng.integers(0, src_pad))  # unaligned source address
+        buf = rng.integers(0, 256, size=length + src_pad, dtype=np.uint8)
+        src = buf[shift : shift + length]
+        keep.append(buf)
+        extents.append((a, src.ctypes.data, length))
+        expected[a:b] = src
+    return extents, keep, expected
+
+
+def read_file(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def fd_count():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def status_field(name):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    raise KeyError(name)
+
+
+def write_all(path, extents, start, end, **kw):
+    with _native.Engine(str(path), **kw) as eng:
+        crcs, stats = eng.write(extents, start, end)
+        eng.truncate(end)
+        return eng.backend, eng.backend_reason, crcs, stats
+
+
+# ---------------------------------------------------------------- CRC-32C
+
+
+def test_crc32c_known_vector():
+    assert _native.crc32c(b"123456789") == 0xE3069283
+    assert _native.crc32c(b"") == 0
+    assert _native.crc32c(b"123456789") == py_crc32c(b"123456789")
+
+
+def test_crc32c_matches_reference_and_buffers():
+    rng = np.random.default_rng(1)
+    for size in [1, 7, 8, 63, 4095, 12288, 12289, 40000]:
+        arr = rng.integers(0, 256, size=size, dtype=np.uint8)
+        data = arr.tobytes()
+        ref = py_crc32c(data)
+        assert _native.crc32c(data) == ref
+        assert _native.crc32c(memoryview(data)) == ref
+        assert _native.crc32c(arr) == ref
+        assert _native.crc32c_addr(arr.ctypes.data, size) == ref
+        # unaligned start, continuation
+        assert _native.crc32c(data[3:], _native.crc32c(data[:3])) == ref
+        assert _native.crc32c_addr(arr.ctypes.data + 1, size - 1, _native.crc32c(data[:1])) == ref
+
+
+def test_crc32c_combine():
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 256, size=100_003, dtype=np.uint8).tobytes()
+    b = rng.integers(0, 256, size=77_777, dtype=np.uint8).tobytes()
+    whole = _native.crc32c(a + b)
+    assert _native.crc32c_combine(_native.crc32c(a), _native.crc32c(b), len(b)) == whole
+    assert _native.crc32c_combine(_native.crc32c(a), 0, 0) == _native.crc32c(a)
+    assert _native.crc32c_combine(0, _native.crc32c(b), len(b)) == _native.crc32c(b)
+    # three pieces, any association
+    c = b"xyz" * 1000
+    ab = _native.crc32c_combine(_native.crc32c(a), _native.crc32c(b), len(b))
+    assert _native.crc32c_combine(ab, _native.crc32c(c), len(c)) == _native.crc32c(a + b + c)
+
+
+# ---------------------------------------------------------------- writes
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_roundtrip_each_backend(tmp_path, backend):
+    rng = np.random.default_rng(10)
+    total = 3 * MiB + 12345  # unaligned end
+    extents, keep, expected = make_layout(rng, total, 40)
+    path = tmp_path / f"rt-{backend}.bin"
+    bk, reason, crcs, stats = write_all(path, extents, 0, total, backend=backend, chunk_bytes=256 * KiB)
+    if backend != "auto":
+        assert bk == backend and reason == ""
+    assert read_file(path) == expected.tobytes()
+    for (off, _, length), crc in zip(extents, crcs):
+        assert crc == _native.crc32c(expected[off : off + length])
+    assert stats["bytes"] == total
+    assert stats["bytes_padded"] == (-total) % 512 or stats["bytes_padded"] >= 0
+    assert stats["requests"] >= 1 and stats["short_writes"] == 0
+    assert stats["backend"] == bk
+
+
+def test_auto_on_dev_shm():
+    if not os.path.isdir(SHM):
+        pytest.skip("no /dev/shm")
+    rng = np.random.default_rng(11)
+    total = 1 * MiB + 333
+    extents, keep, expected = make_layout(rng, total, 10)
+    path = os.path.join(SHM, f"fp-native-test-{os.getpid()}.bin")
+    try:
+        bk, reason, crcs, _ = write_all(path, extents, 0, total, backend="auto")
+        print(f"/dev/shm: auto picked {bk!r} ({reason or 'first choice'})")
+        assert read_file(path) == expected.tobytes()
+        for (off, _, length), crc in zip(extents, crcs):
+            assert crc == _native.crc32c(expected[off : off + length])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_attributes_and_closed(tmp_path):
+    path = tmp_path / "attr.bin"
+    eng = _native.Engine(str(path))
+    assert eng.path == str(path)
+    assert eng.backend in ("io_uring", "threadpool", "buffered")
+    assert eng.alignment >= 512 and eng.alignment & (eng.alignment - 1) == 0
+    assert eng.mem_alignment >= 4096
+    assert isinstance(eng.fileno(), int)
+    with pytest.raises(ValueError, match="start"):
+        eng.write([], 1, 100)
+    eng.close()
+    eng.close()  # idempotent
+    with pytest.raises(ValueError):
+        eng.write([], 0, 0)
+    with pytest.raises(ValueError):
+        eng.sync()
+    with pytest.raises(ValueError):
+        eng.fileno()
+    with pytest.raises(FileExistsError):
+        _native.Engine(str(path))  # create=True is O_EXCL
+    with pytest.raises(FileNotFoundError):
+        _native.Engine(str(tmp_path / "missing"), create=False)
+    with pytest.raises(ValueError):
+        _native.Engine(str(tmp_path / "b"), backend="nope")
+
+
+def test_two_engines_one_file(tmp_path):
+    rng = np.random.default_rng(12)
+    total = 2 * MiB + 5000
+    extents, keep, expected = make_layout(rng, total, 30)
+    path = tmp_path / "shared.bin"
+    split = 1 * MiB  # aligned boundary between the two writers' ranges
+    first = [e for e in extents if e[0] + e[2] <= split]
+    second = [e for e in extents if e[0] >= split]
+    # an extent straddling the split is cut in two
+    for off, addr, length in extents:
+        if off < split < off + length:
+            first.append((off, addr, split - off))
+            second.insert(0, (split, addr + (split - off), off + length - split))
+    first.sort()
+    second.sort()
+    with (
+        _native.Engine(str(path), create=True, backend="io_uring") as a,
+        _native.Engine(str(path), create=False, backend="threadpool") as b,
+    ):
+        errs = []
+
+        def run(eng, ex, s, e):
+            try:
+                eng.write(ex, s, e)
+            except Exception as exc:  # pragma: no cover - reported below
+                errs.append(exc)
+
+        t = threading.Thread(target=run, args=(b, second, split, total))
+        t.start()
+        run(a, first, 0, split)
+        t.join()
+        assert not errs
+        a.truncate(total)
+        a.sync()
+    assert read_file(path) == expected.tobytes()
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threadpool"])
+def test_crc_straddles_chunks(tmp_path, backend):
+    rng = np.random.default_rng(13)
+    chunk = 64 * KiB
+    total = 20 * chunk + 100
+    # long extents crossing many chunk boundaries, plus tiny ones
+    arr = rng.integers(0, 256, size=total + 16, dtype=np.uint8)
+    src = arr[3:]
+    extents = [
+        (10, src.ctypes.data + 10, 5 * chunk + 7),
+        (5 * chunk + 100, src.ctypes.data + 5 * chunk + 100, 1),
+        (6 * chunk - 5, src.ctypes.data + 6 * chunk - 5, 10 * chunk),
+        (16 * chunk + 1, src.ctypes.data + 16 * chunk + 1, 0),
+        (17 * chunk, src.ctypes.data + 17 * chunk, total - 17 * chunk),
+    ]
+    expected = np.zeros(total, dtype=np.uint8)
+    for off, _, length in extents:
+        expected[off : off + length] = src[off : off + length]
+    path = tmp_path / "straddle.bin"
+    with _native.Engine(str(path), backend=backend, chunk_bytes=chunk, queue_depth=4) as eng:
+        crcs, stats = eng.write(extents, 0, total)
+        eng.truncate(total)
+    assert stats["requests"] >= 21
+    assert read_file(path) == expected.tobytes()
+    for (off, _, length), crc in zip(extents, crcs):
+        assert crc == _native.crc32c(src[off : off + length])
+    assert crcs[3] == 0
+    # checksum=False gives zeros
+    with _native.Engine(str(path), backend=backend, create=False, chunk_bytes=chunk) as eng:
+        crcs, _ = eng.write(extents, 0, total, checksum=False)
+    assert crcs == [0] * len(extents)
+
+
+def test_nonzero_start_and_zero_copy(tmp_path):
+    rng = np.random.default_rng(14)
+    path = tmp_path / "zc.bin"
+    with _native.Engine(str(path), backend="io_uring", chunk_bytes=128 * KiB) as eng:
+        A, M = eng.alignment, eng.mem_alignment
+        # aligned source memory for zero-copy extents
+        raw = rng.integers(0, 256, size=2 * MiB + 2 * M, dtype=np.uint8)
+        base = raw.ctypes.data
+        aligned = raw[(-base) % M :]
+        start = 4 * A
+        e1 = (start, aligned.ctypes.data, 512 * KiB)  # eligible: straight from memory
+        tail = rng.integers(0, 256, size=1000, dtype=np.uint8)
+        e2 = (start + 512 * KiB + 3, tail.ctypes.data, 1000)  # not eligible: staged
+        e3 = (start + 640 * KiB, aligned.ctypes.data + 640 * KiB, 256 * KiB)
+        end = start + 900 * KiB + 17
+        crcs, stats = eng.write([e1, e2, e3], start, end, zero_copy=True)
+        eng.truncate(end)
+    data = read_file(path)
+    assert len(data) == end
+    assert data[:start] == b"\0" * start
+    img = data[start:]
+    assert img[: 512 * KiB] == aligned[: 512 * KiB].tobytes()
+    assert img[512 * KiB : 512 * KiB + 3] == b"\0\0\0"
+    assert img[512 * KiB + 3 : 512 * KiB + 1003] == tail.tobytes()
+    assert img[640 * KiB : 896 * KiB] == aligned[640 * KiB : 896 * KiB].tobytes()
+    assert img[896 * KiB :] == b"\0" * (end - start - 896 * KiB)
+    assert crcs == [
+        _native.crc32c(aligned[: 512 * KiB]),
+        _native.crc32c(tail),
+        _native.crc32c(aligned[640 * KiB : 896 * KiB]),
+    ]
+
+
+def test_empty_and_bad_extents(tmp_path):
+    path = tmp_path / "e.bin"
+    with _native.Engine(str(path)) as eng:
+        crcs, stats = eng.write([], 0, 0)
+        assert crcs == [] and stats["bytes"] == 0
+        crcs, stats = eng.write([], 0, 1000)  # all zeros
+        eng.truncate(1000)
+        buf = np.zeros(10, dtype=np.uint8)
+        with pytest.raises(ValueError):
+            eng.write([(50, buf.ctypes.data, 10), (55, buf.ctypes.data, 10)], 0, 100)  # overlap
+        with pytest.raises(ValueError):
+            eng.write([(95, buf.ctypes.data, 10)], 0, 100)  # past end
+    assert read_file(path) == b"\0" * 1000
+
+
+# ---------------------------------------------------------------- faults
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threadpool", "buffered"])
+def test_injected_write_error(tmp_path, backend):
+    rng = np.random.default_rng(15)
+    total = 4 * MiB
+    extents, keep, _ = make_layout(rng, total, 8)
+    path = tmp_path / f"fail-{backend}.bin"
+    _native.inject_fault("write", errno=errno.ENOSPC, after_bytes=1 * MiB)
+    with _native.Engine(str(path), backend=backend, chunk_bytes=256 * KiB) as eng:
+        with pytest.raises(OSError) as ei:
+            eng.write(extents, 0, total)
+        assert ei.value.errno == errno.ENOSPC
+        assert str(path) in str(ei.value)
+        # one-shot: the engine is still usable afterwards
+        crcs, _ = eng.write(extents, 0, total)
+        eng.truncate(total)
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threadpool", "buffered"])
+def test_short_write_injection(tmp_path, backend):
+    rng = np.random.default_rng(16)
+    total = 2 * MiB + 999
+    extents, keep, expected = make_layout(rng, total, 12)
+    path = tmp_path / f"short-{backend}.bin"
+    _native.inject_fault("short_write")
+    bk, _, crcs, stats = write_all(path, extents, 0, total, backend=backend, chunk_bytes=128 * KiB)
+    _native.inject_fault(None)
+    assert stats["short_writes"] > 0
+    assert stats["requests"] > stats["short_writes"]
+    assert read_file(path) == expected.tobytes()
+    for (off, _, length), crc in zip(extents, crcs):
+        assert crc == _native.crc32c(expected[off : off + length])
+
+
+def test_io_uring_setup_injection(tmp_path):
+    _native.inject_fault("io_uring_setup", errno=errno.EPERM)
+    with _native.Engine(str(tmp_path / "a.bin")) as eng:
+        assert eng.backend == "threadpool"
+        assert "io_uring_setup" in eng.backend_reason and "EPERM" in eng.backend_reason
+        buf = np.arange(100, dtype=np.uint8)
+        eng.write([(0, buf.ctypes.data, 100)], 0, 100)
+        eng.truncate(100)
+    assert read_file(tmp_path / "a.bin") == buf.tobytes()
+    with pytest.raises(OSError) as ei:
+        _native.Engine(str(tmp_path / "b.bin"), backend="io_uring")
+    assert ei.value.errno == errno.EPERM
+    assert not os.path.exists(tmp_path / "b.bin")  # a failed create leaves nothing behind
+
+
+def test_o_direct_injection(tmp_path):
+    _native.inject_fault("o_direct")
+    with _native.Engine(str(tmp_path / "a.bin")) as eng:
+        assert eng.backend == "buffered"
+        assert "O_DIRECT" in eng.backend_reason and "EINVAL" in eng.backend_reason
+    with pytest.raises(OSError) as ei:
+        _native.Engine(str(tmp_path / "b.bin"), backend="threadpool")
+    assert ei.value.errno == errno.EINVAL
+    with _native.Reader(str(tmp_path / "a.bin")) as r:
+        assert r.direct is False
+
+
+# ---------------------------------------------------------------- reads
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reader_roundtrip(tmp_path, direct):
+    rng = np.random.default_rng(17)
+    total = 3 * MiB + 4321
+    data = rng.integers(0, 256, size=total, dtype=np.uint8)
+    path = tmp_path / "r.bin"
+    path.write_bytes(data.tobytes())
+    with _native.Reader(str(path), direct=direct) as r:
+        assert r.size == total
+        assert r.direct == direct
+        for off, length, chunk in [
+            (0, total, 4 * MiB),
+            (1, total - 1, 256 * KiB),
+            (12345, 2 * MiB + 3, 64 * KiB),
+            (total - 10, 10, 4 * MiB),
+            (777, 1, 4 * MiB),
+            (4096, 100 * KiB, 4 * MiB),  # inline path (< 256 KiB)
+        ]:
+            out = np.zeros(length + 8, dtype=np.uint8)
+            dst = out[3 : 3 + length]  # unaligned destination
+            crc = r.read_into(off, dst.ctypes.data, length, checksum=True, threads=3, chunk_bytes=chunk)
+            assert np.array_equal(dst, data[off : off + length])
+            assert crc == _native.crc32c(data[off : off + length])
+            assert out[:3].sum() == 0 and out[3 + length :].sum() == 0
+        assert r.read_into(0, out.ctypes.data, 10) == 0  # no checksum
+
+
+def test_reader_past_eof_and_read_fault(tmp_path):
+    path = tmp_path / "small.bin"
+    path.write_bytes(b"x" * 10000)
+    out = np.zeros(20000, dtype=np.uint8)
+    with _native.Reader(str(path)) as r:
+        with pytest.raises(EOFError, match="small.bin"):
+            r.read_into(5000, out.ctypes.data, 5001)
+        assert r.read_into(5000, out.ctypes.data, 5000, checksum=True) == _native.crc32c(b"x" * 5000)
+        _native.inject_fault("read", errno=errno.EIO, after_bytes=4096)
+        with pytest.raises(OSError) as ei:
+            r.read_into(0, out.ctypes.data, 10000)
+        assert ei.value.errno == errno.EIO and str(path) in str(ei.value)
+        r.read_into(0, out.ctypes.data, 10000)  # one-shot
+    with pytest.raises(FileNotFoundError):
+        _native.Reader(str(tmp_path / "missing"))
+
+
+# ---------------------------------------------------------------- resources
+
+
+def test_no_leaks_500_cycles(tmp_path):
+    rng = np.random.default_rng(18)
+    total = 300 * KiB + 7
+    extents, keep, expected = make_layout(rng, total, 5)
+    backends = ["io_uring", "threadpool", "buffered"]
+
+    def cycle(i):
+        path = tmp_path / f"leak{i % 4}.bin"
+        if path.exists():
+            path.unlink()
+        with _native.Engine(str(path), backend=backends[i % 3], chunk_bytes=64 * KiB, queue_depth=4) as eng:
+            eng.write(extents, 0, total)
+            eng.truncate(total)
+
+    for i in range(20):  # warm up: pool, allocator arenas, thread stacks
+        cycle(i)
+    gc.collect()
+    fds, threads, rss = fd_count(), status_field("Threads"), status_field("VmRSS")
+    for i in range(500):
+        cycle(i)
+    gc.collect()
+    assert fd_count() == fds
+    assert status_field("Threads") == threads
+    assert status_field("VmRSS") - rss < 8 * 1024, "RSS grew by more than 8 MiB"
+    assert read_file(tmp_path / "leak3.bin") == expected.tobytes()
+
+
+def test_staging_pool_release(tmp_path):
+    _native.release_staging()
+    assert _native.staging_bytes() == 0
+    buf = np.ones(3 * MiB, dtype=np.uint8)
+    with _native.Engine(str(tmp_path / "p.bin"), chunk_bytes=1 * MiB, queue_depth=2, copy_threads=1) as eng:
+        eng.write([(0, buf.ctypes.data, buf.size)], 0, buf.size)
+        held = _native.staging_bytes()
+        assert 1 * MiB <= held <= 3 * MiB  # at most queue_depth + copy_threads buffers
+        for _ in range(3):
+            eng.write([(0, buf.ctypes.data, buf.size)], 0, buf.size)
+            assert held <= _native.staging_bytes() <= 3 * MiB  # reused, bounded by qd + copy_threads
+    _native.release_staging()
+    assert _native.staging_bytes() == 0
+
+
+def test_two_threads_share_pool(tmp_path):
+    rng = np.random.default_rng(19)
+    total = 6 * MiB + 1
+    layouts = [make_layout(rng, total, 10) for _ in range(2)]
+    errs = []
+
+    def run(i):
+        try:
+            for k in range(3):
+                p = tmp_path / f"t{i}-{k}.bin"
+                write_all(p, layouts[i][0], 0, total, backend="io_uring" if i else "threadpool")
+                assert read_file(p) == layouts[i][2].tobytes()
+        except Exception as exc:
+            errs.append(exc)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errs, errs
