@@ -154,6 +154,13 @@ class CollectiveSave:
             self.plan_error = e
         self.stats.serialize_seconds = time.perf_counter() - self.t0
 
+    def fail(self, error: BaseException) -> None:
+        """Carry a local failure into ``run``, which reports it to every rank."""
+        self.plan, self.plan_error = None, error
+
+    def abort(self) -> None:
+        """Nothing to undo before ``run``: the temp file is created inside it."""
+
     def run(self, on_body_written: Any = None) -> SaveStats:
         cg, final, opts, plan = self.cg, self.final, self.opts, self.plan
         rank, world = dist.get_rank(cg), dist.get_world_size(cg)

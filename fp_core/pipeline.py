@@ -36,6 +36,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .api import PreparedSave
+from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave
 from .engine import EngineOptions
 from .errors import CheckpointError
 from .plan import StorageExtent
@@ -147,12 +148,17 @@ class AsyncCheckpointer:
         small_tensor_bytes: tensors up to this size are copied at save time.
         install_optimizer_hook: install a global torch.optim step pre-hook while a save
             still reads live memory, so every optimizer.step() fences first.
+        group, topology, timeout_s: make every save collective over this
+            torch.distributed group (every rank calls ``save`` in the same order), as
+            ``fp_core.save(..., group=...)``; the collective runs on the worker thread
+            over a dedicated gloo group.
         **engine_options: passed to the native engine (backend, queue_depth, ...).
     """
 
     def __init__(self, policy: str = "auto", max_in_flight: int = 1, when_busy: str = "wait",
                  snapshot_budget_bytes: int | None = None, small_tensor_bytes: int = 1 << 20,
-                 install_optimizer_hook: bool = True, **engine_options: Any) -> None:
+                 install_optimizer_hook: bool = True, group: Any = None, topology: Any = "replica",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, **engine_options: Any) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if when_busy not in ("wait", "queue"):
@@ -165,6 +171,7 @@ class AsyncCheckpointer:
         self.snapshot_budget_bytes = _default_snapshot_budget() if snapshot_budget_bytes is None else snapshot_budget_bytes
         self.small_tensor_bytes = small_tensor_bytes
         self.install_optimizer_hook = install_optimizer_hook
+        self.group, self.topology, self.timeout_s = group, topology, timeout_s
         self.options, rest = EngineOptions.pick(dict(engine_options))
         if rest:
             raise TypeError(f"AsyncCheckpointer got unknown options {sorted(rest)}")
@@ -193,17 +200,24 @@ class AsyncCheckpointer:
         self._check_open()
         self._raise_pending()
         self._admit()
-        prepared = PreparedSave(obj, path, self.options, format, metadata)
-        plan = prepared.plan
-        policy = self._choose_policy(plan.storage_bytes)
-        small = [s for s in plan.storages if s.length <= self.small_tensor_bytes]
+        prepared: Any
+        if self.group is not None:
+            if format != "torch":
+                raise ValueError("collective saves write the torch format")
+            prepared = CollectiveSave(obj, path, self.group, topology=self.topology, timeout_s=self.timeout_s,
+                                      options=self.options)
+        else:
+            prepared = PreparedSave(obj, path, self.options, format, metadata)
+        storages = prepared.plan.storages if prepared.plan is not None else []
+        policy = self._choose_policy(sum(s.length for s in storages))
+        small = [s for s in storages if s.length <= self.small_tensor_bytes]
         try:
             copy_to_host(small)  # values of buffers that change during forward, fixed now
         except BaseException:
             prepared.abort()
             raise
         handle = SaveHandle(prepared.final)
-        big = [s for s in plan.storages if s.host is None]
+        big = [s for s in storages if s.host is None]
 
         def run() -> SaveStats:
             return self._run_save(prepared, policy, big, handle, on_commit)
@@ -366,7 +380,7 @@ class AsyncCheckpointer:
                 self._running = False
                 self._cv.notify_all()
 
-    def _run_save(self, prepared: PreparedSave, policy: str, big: list[StorageExtent], handle: SaveHandle,
+    def _run_save(self, prepared: PreparedSave | CollectiveSave, policy: str, big: list[StorageExtent], handle: SaveHandle,
                   on_commit: Callable[[str, SaveStats], None] | None) -> SaveStats:
         arena = None
         try:
@@ -375,12 +389,16 @@ class AsyncCheckpointer:
                 arena = self._take_arena(big)
                 try:
                     copy_to_host(big, into=arena.carve([s.length for s in big]))
-                except BaseException:
-                    prepared.abort()
-                    raise
+                except Exception as e:
+                    if isinstance(prepared, CollectiveSave):
+                        prepared.fail(e)  # the other ranks must still hear of it
+                    else:
+                        prepared.abort()
+                        raise
                 prepared.stats.extra["snapshot_seconds"] = time.perf_counter() - t0
                 handle._staged.set()
-            stats = prepared.write(on_body_written=handle._staged.set)
+            stats = prepared.run(handle._staged.set) if isinstance(prepared, CollectiveSave) \
+                else prepared.write(on_body_written=handle._staged.set)
         finally:
             handle._staged.set()
             for s in big:

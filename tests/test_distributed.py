@@ -158,3 +158,9 @@ def test_killed_rank_does_not_hang_or_commit(ddir):
     assert results[0]["ok"] is False, results[0]
     assert not os.path.exists(os.path.join(ddir, "ckpt.pt"))
     assert _no_temp_files(ddir) == []
+
+
+def test_async_collective_saves_are_consistent(ddir):
+    results = run_ranks("async", 2, ddir)
+    assert all(r["ok"] for r in results), results
+    assert sorted(n for n in os.listdir(ddir) if n.endswith(".pt")) == ["step0.pt", "step1.pt", "step2.pt"]

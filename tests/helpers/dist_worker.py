@@ -63,6 +63,24 @@ def main() -> None:
                 _native.inject_fault("write", errno=5)
             fp_core.save({"shard": torch.full((1000,), float(rank))}, os.path.join(d, f"shard{rank}.pt"),
                          group=dist.group.WORLD, sharded=True)
+        elif scenario == "async":
+            # Collective saves through the async pipeline while "training" continues.
+            model = torch.nn.Linear(512, 512)
+            torch.nn.init.constant_(model.weight, 1.0)
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            expected = []
+            with fp_core.AsyncCheckpointer(group=dist.group.WORLD, policy="overlap") as ckpt:
+                for step in range(3):
+                    expected.append({k: v.clone() for k, v in model.state_dict().items()})
+                    ckpt.save(model.state_dict(), os.path.join(d, f"step{step}.pt"))
+                    model(torch.ones(4, 512)).sum().backward()
+                    opt.step()  # the installed pre-hook fences first
+                    opt.zero_grad()
+            if rank == 0:
+                for step, exp in enumerate(expected):
+                    got = torch.load(os.path.join(d, f"step{step}.pt"))
+                    assert all(torch.equal(got[k], exp[k]) for k in exp), f"step {step} differs"
+                    fp_core.verify(os.path.join(d, f"step{step}.pt"))
         elif scenario == "fail":
             if rank == 1:
                 _native.inject_fault("write", errno=5)
