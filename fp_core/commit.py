@@ -64,6 +64,8 @@ def check_target(final: str) -> str:
         raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", parent)
     if not os.path.isdir(parent):
         raise NotADirectoryError(errno.ENOTDIR, "checkpoint directory is not a directory", parent)
+    if os.statvfs(parent).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, "checkpoint directory is on a read-only file system", parent)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "checkpoint directory is not writable", parent)
     return path

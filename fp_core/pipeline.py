@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import remote
 from .api import PreparedSave
 from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave
 from .engine import EngineOptions
@@ -79,6 +80,8 @@ class Handle:
             raise TimeoutError(f"checkpoint job {self.path or ''} still running after {timeout} s")
         if self._error is not None:
             self._reported = True
+            if isinstance(self._error, AsyncCheckpointError):  # already says what failed
+                raise self._error
             raise AsyncCheckpointError(f"background checkpoint job {self.path or ''} failed: "
                                        f"{type(self._error).__name__}: {self._error}") from self._error
         return self._result
@@ -115,6 +118,12 @@ class _Arena:
 
 def _carved_size(lengths: Iterable[int]) -> int:
     return sum((n + 63) // 64 * 64 for n in lengths)
+
+
+def _path_key(path: str | os.PathLike) -> str:
+    """What a save handle's ``path`` holds: an absolute local path, or the remote URL."""
+    is_remote, p = remote.split(path)
+    return p if is_remote else os.path.abspath(p)
 
 
 _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
@@ -189,19 +198,29 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ public API
     def save(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
              metadata: dict[str, str] | None = None,
-             on_commit: Callable[[str, SaveStats], None] | None = None) -> SaveHandle:
+             on_commit: Callable[[str, SaveStats], None] | None = None,
+             storage_options: dict | None = None, keep_local: bool = False) -> SaveHandle:
         """Start saving ``obj`` to ``path``; return at once with a handle.
 
         The object's structure is pickled now; tensor bytes are read in the background
         until the fence. ``on_commit(path, stats)`` runs after the file is durable under
         its final name (move "latest" pointers, rotate old checkpoints there).
+
+        A remote fsspec URL is written to local staging, then uploaded on the worker;
+        the handle, ``wait`` and ``on_commit(url, stats)`` cover the upload (the remote
+        copy is complete). ``storage_options``/``keep_local``: see :mod:`fp_core.remote`.
         """
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
         self._admit()
         prepared: Any
-        if self.group is not None:
+        is_remote, path = remote.split(path)
+        if is_remote:
+            if self.group is not None:
+                raise ValueError(f"collective saves to a remote URL ({path}) are not supported")
+            prepared = remote.RemoteSave(obj, path, self.options, format, metadata, storage_options, keep_local)
+        elif self.group is not None:
             if format != "torch":
                 raise ValueError("collective saves write the torch format")
             prepared = CollectiveSave(obj, path, self.group, topology=self.topology, timeout_s=self.timeout_s,
@@ -278,12 +297,12 @@ class AsyncCheckpointer:
         with self._cv:
             if path is None:
                 return bool(self._jobs or self._running)
-            p = os.path.abspath(os.fspath(path))
+            p = _path_key(path)
             return any(h.path == p for h in self._saves)
 
     def wait_for(self, path: str | os.PathLike) -> None:
         """Block until pending saves of ``path`` are durable (raising their failure)."""
-        p = os.path.abspath(os.fspath(path))
+        p = _path_key(path)
         with self._cv:
             mine = [h for h in self._saves if h.path == p]
         for h in mine:
@@ -371,12 +390,14 @@ class AsyncCheckpointer:
                 result = run()
             except BaseException as e:  # noqa: BLE001 - handed to the caller, never dropped
                 error = e
-            handle._finish(result, error)
             with self._cv:
+                # Record the failure before the handle reads as done, so that anyone who
+                # wakes on it (wait_for, fence) also finds the error to raise.
                 if isinstance(handle, SaveHandle) and handle in self._saves:
                     self._saves.remove(handle)
                 if error is not None and not handle._reported:
                     self._finished.append(handle)
+                handle._finish(result, error)
                 self._running = False
                 self._cv.notify_all()
 

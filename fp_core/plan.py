@@ -176,9 +176,13 @@ def build(obj: Any, alignment: int = 4096) -> FilePlan:
         key = rel[len("data/") :] if rel.startswith("data/") else None
         if key is not None and key in storages_by_key:
             storage, dtype, nbytes = storages_by_key[key]
-            tensor, _ = names.get(storage._cdata, (None, None))
-            rec = RecordInfo(info.filename, data_offset, nbytes, tensor=tensor,
-                             dtype=str(dtype).removeprefix("torch."), kind="storage")
+            # torch pickles some dtypes (float8, uint16...) through untyped storages, so
+            # the recorder sees uint8; the tensor that uses the storage knows better.
+            tensor, tensor_dtype = names.get(storage._cdata, (None, None))
+            dtype_name = str(dtype).removeprefix("torch.")
+            if dtype == torch.uint8 and tensor_dtype is not None:
+                dtype_name = tensor_dtype
+            rec = RecordInfo(info.filename, data_offset, nbytes, tensor=tensor, dtype=dtype_name, kind="storage")
             if nbytes:
                 storages.append(StorageExtent(data_offset, nbytes, byte_view(storage), len(records)))
         else:

@@ -1,0 +1,276 @@
+"""Shared fixtures and helpers for the fp_core test suites (test_core, test_pipeline, test_faults)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELPERS = os.path.join(REPO, "tests", "helpers")
+DISK_TMP_ROOT = os.path.join(os.path.dirname(REPO), "fp-test-tmp")
+TMP_SUFFIX = ".fptmp"
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+# ---------------------------------------------------------------- file systems
+
+
+def fs_type(path: str) -> str:
+    """The file system type of the mount that holds ``path`` (from /proc/self/mounts)."""
+    path = os.path.realpath(path)
+    best, kind = "", "?"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+@pytest.fixture
+def disk_dir(tmp_path) -> Iterator[str]:
+    """A fresh directory on a real disk file system (O_DIRECT capable), removed afterwards.
+
+    pytest's tmp_path is used when it is not on tmpfs; otherwise a directory under
+    ``<repo>/../fp-test-tmp/``.
+    """
+    if fs_type(str(tmp_path)) not in ("tmpfs", "ramfs", "overlay"):
+        yield str(tmp_path)
+        return
+    d = os.path.join(DISK_TMP_ROOT, uuid.uuid4().hex)
+    os.makedirs(d)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = os.path.join("/dev/shm", "fp-test-" + uuid.uuid4().hex)
+    os.makedirs(d)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+@pytest.fixture
+def mount_tmpfs(disk_dir) -> Iterator:
+    """Factory: mount a tmpfs of ``size`` (e.g. "8m") on a fresh directory; unmounted afterwards."""
+    mounted: list[str] = []
+
+    def make(size: str, name: str = "small") -> str:
+        d = os.path.join(disk_dir, name)
+        os.makedirs(d, exist_ok=True)
+        r = _run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", d])
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+        mounted.append(d)
+        return d
+
+    yield make
+    for d in reversed(mounted):
+        _run(["umount", "-l", d])
+
+
+def _writable(d: str) -> bool:
+    probe = os.path.join(d, ".probe")
+    try:
+        open(probe, "w").close()
+    except OSError as e:
+        assert e.errno in (errno.EROFS, errno.EACCES, errno.EPERM), e
+        return False
+    os.unlink(probe)
+    return True
+
+
+@pytest.fixture
+def ro_bind(disk_dir) -> Iterator:
+    """Factory: ``(src, ro)`` where ``ro`` is a read-only bind mount of the directory ``src``."""
+    mounted: list[str] = []
+
+    def make() -> tuple[str, str]:
+        src = os.path.join(disk_dir, "rw")
+        ro = os.path.join(disk_dir, "ro")
+        os.makedirs(src, exist_ok=True)
+        os.makedirs(ro, exist_ok=True)
+        r = _run(["mount", "--bind", "-o", "ro", src, ro])
+        if r.returncode != 0:
+            pytest.skip(f"cannot make a read-only bind mount here: {r.stderr.strip()}")
+        mounted.append(ro)
+        if _writable(ro):  # older util-linux needs a remount to make a bind mount read-only
+            _run(["mount", "-o", "remount,bind,ro", ro])
+            if _writable(ro):
+                pytest.skip("the bind mount stays writable here")
+        return src, ro
+
+    yield make
+    for d in reversed(mounted):
+        _run(["umount", "-l", d])
+
+
+# ---------------------------------------------------------------- native fault hook
+
+
+def _native_module():
+    from fp_core import _native
+
+    return _native
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults():
+    """Every test starts and ends with no fault injected (the hook is process-wide)."""
+    nat = _native_module()
+    nat.inject_fault(None)
+    yield
+    nat.inject_fault(None)
+
+
+@pytest.fixture
+def fault():
+    """``fault(kind, **kw)`` arms a native fault; cleared after the test (and by _clear_faults)."""
+    nat = _native_module()
+
+    def arm(kind, **kw):
+        nat.inject_fault(kind, **kw)
+
+    yield arm
+    nat.inject_fault(None)
+
+
+@pytest.fixture
+def fresh_fallback_log():
+    """The engine logs each distinct backend fallback once per process; forget what it logged."""
+    from fp_core import engine
+
+    saved = set(engine._reported)
+    engine._reported.clear()
+    yield
+    engine._reported.clear()
+    engine._reported.update(saved)
+
+
+# ---------------------------------------------------------------- comparisons
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_tensor_identical(a: torch.Tensor, b: torch.Tensor, where: str = "") -> None:
+    assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
+    assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{where}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert a.stride() == b.stride(), f"{where}: stride {a.stride()} != {b.stride()}"
+    assert a.storage_offset() == b.storage_offset(), f"{where}: storage offset differs"
+    assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
+    assert tensor_bytes(a) == tensor_bytes(b), f"{where}: bytes differ"
+
+
+def assert_identical(a, b, where: str = "obj") -> None:
+    """Deep, byte-exact equality of checkpoint objects (containers, tensors, arrays, the rest)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{where}: {type(b)} is not a tensor"
+        assert_tensor_identical(a, b, where)
+        return
+    assert type(a) is type(b), f"{where}: type {type(a)} != {type(b)}"
+    if isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: array dtype/shape differ"
+        assert a.tobytes() == b.tobytes(), f"{where}: array bytes differ"
+    elif isinstance(a, dict):
+        assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def temp_files(directory: str) -> list[str]:
+    """FastPersist temporary files (``.<name>.<host>-<pid>-<hex>.fptmp``) in ``directory``."""
+    try:
+        return sorted(n for n in os.listdir(directory) if n.startswith(".") and n.endswith(TMP_SUFFIX))
+    except FileNotFoundError:
+        return []
+
+
+def assert_no_temps(directory: str) -> None:
+    left = temp_files(directory)
+    assert not left, f"temporary files left in {directory}: {left}"
+
+
+# ---------------------------------------------------------------- process resources
+
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _status_field(name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    raise KeyError(name)
+
+
+def thread_count() -> int:
+    return _status_field("Threads")
+
+
+def rss_bytes() -> int:
+    return _status_field("VmRSS") * 1024
+
+
+def python_exe() -> str:
+    return sys.executable
+
+
+__all__ = [
+    "KiB",
+    "MiB",
+    "GiB",
+    "HELPERS",
+    "REPO",
+    "fs_type",
+    "tensor_bytes",
+    "assert_identical",
+    "assert_tensor_identical",
+    "temp_files",
+    "assert_no_temps",
+    "fd_count",
+    "thread_count",
+    "rss_bytes",
+]

@@ -1,0 +1,512 @@
+"""Tests of the async pipeline fp_core.AsyncCheckpointer (issue: async pipeline)."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import gc
+import os
+import shutil
+import threading
+import time
+
+import pytest
+import torch
+from conftest import MiB, assert_identical, assert_no_temps, fd_count, rss_bytes, thread_count
+from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+import fp_core
+from fp_core import AsyncCheckpointer, AsyncCheckpointError
+
+
+class Net(torch.nn.Module):
+    """Embedding (the bulk of the bytes, cheap to run) + Linear + BatchNorm."""
+
+    def __init__(self, width: int = 256, vocab: int = 1000) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.fc = torch.nn.Linear(width, width)
+        self.bn = torch.nn.BatchNorm1d(width)
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.bn(self.fc(self.emb(ids)))))
+
+
+def train_step(model, opt, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.emb.num_embeddings, (16,), generator=g)
+    y = torch.randint(0, 8, (16,), generator=g)
+    loss = torch.nn.functional.cross_entropy(model(ids), y)
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    opt.step()
+
+
+def make_state(vocab: int = 1000):
+    """Embedding + Linear + BatchNorm with Adam, one step taken."""
+    torch.manual_seed(0)
+    model = Net(256, vocab)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train_step(model, opt, 0)
+    return model, opt
+
+
+def big_obj(mib: int = 64, value: float = 1.0) -> dict:
+    return {"big": torch.full((mib * MiB // 4,), value), "meta": {"v": value}}
+
+
+@pytest.fixture
+def baseline_hooks():
+    n = len(_global_optimizer_pre_hooks)
+    yield n
+    assert len(_global_optimizer_pre_hooks) == n, "an optimizer hook was left installed"
+
+
+# ====================================================================== consistency
+
+
+@pytest.mark.parametrize("policy", ["overlap", "snapshot"])
+def test_checkpoint_equals_state_at_save_time(disk_dir, policy, baseline_hooks):
+    model, opt = make_state(vocab=100_000)  # 100 MB embedding, x3 with Adam's moments
+    path = os.path.join(disk_dir, f"{policy}.pt")
+    with AsyncCheckpointer(policy=policy, backend="buffered") as ckpt:
+        state = {"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 1}
+        expected = copy.deepcopy(state)
+        h = ckpt.save(state, path)
+        assert ckpt.hook_installed
+        # Immediately: forward (mutates BN running stats in place), backward, in-place
+        # buffer edits, then the optimizer step (mutates params and Adam moments in place).
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 100_000, (16,), generator=g)
+        loss = model(ids).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            model.bn.running_mean.add_(100.0)
+            model.bn.running_var.mul_(3.0)
+            model.bn.num_batches_tracked.add_(5)
+        running_at_step = not h.done()
+        opt.step()  # fences first (hook) under overlap; snapshot has copied already
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # after the step: the fence has released, writes must not see this
+        ckpt.wait()
+        assert h.done()
+        assert not ckpt.hook_installed
+    assert running_at_step, "the checkpoint finished before step(): make it bigger or the disk slower"
+    st = h.result()
+    assert st.policy == policy
+    fp_core.verify(path)
+    assert_identical(expected, torch.load(path, weights_only=True))
+    assert_identical(expected, fp_core.load(path, verify=True))
+    assert_no_temps(disk_dir)
+
+
+def test_auto_policy_and_budget(disk_dir):
+    model, opt = make_state()
+    state = {"model": model.state_dict()}
+    with AsyncCheckpointer(policy="auto", snapshot_budget_bytes=1) as ckpt:
+        h = ckpt.save(state, os.path.join(disk_dir, "a.pt"))
+        assert h.result().policy == "overlap"
+    with AsyncCheckpointer(policy="auto") as ckpt:
+        h = ckpt.save(state, os.path.join(disk_dir, "b.pt"))
+        assert h.result().policy == "snapshot"
+    with AsyncCheckpointer(policy="snapshot", snapshot_budget_bytes=1) as ckpt:
+        h = ckpt.save(state, os.path.join(disk_dir, "c.pt"))
+        assert h.result().policy == "overlap"  # over budget: falls back (with a warning)
+    for n in "abc":
+        assert_identical(state, fp_core.load(os.path.join(disk_dir, f"{n}.pt"), verify=True))
+
+
+# ====================================================================== optimizer hook
+
+
+def test_hook_installed_only_while_a_save_is_in_flight(disk_dir, baseline_hooks):
+    model, opt = make_state()
+    with AsyncCheckpointer(policy="overlap", backend="buffered") as ckpt:
+        assert not ckpt.hook_installed
+        ckpt.save(big_obj(32), os.path.join(disk_dir, "a.pt"))
+        assert ckpt.hook_installed
+        assert len(_global_optimizer_pre_hooks) == baseline_hooks + 1
+        ckpt.wait()
+        assert not ckpt.hook_installed
+        assert len(_global_optimizer_pre_hooks) == baseline_hooks
+        ckpt.save(big_obj(32), os.path.join(disk_dir, "b.pt"))
+        assert ckpt.hook_installed
+        ckpt.fence()
+        assert not ckpt.hook_installed
+        ckpt.wait()
+        # A step with the hook installed fences, then the hook goes.
+        ckpt.save(big_obj(32), os.path.join(disk_dir, "c.pt"))
+        assert ckpt.hook_installed
+        train_step(model, opt, 3)
+        assert not ckpt.hook_installed
+    with AsyncCheckpointer(install_optimizer_hook=False) as ckpt:
+        ckpt.save(big_obj(8), os.path.join(disk_dir, "d.pt"))
+        assert not ckpt.hook_installed
+        assert len(_global_optimizer_pre_hooks) == baseline_hooks
+
+
+# ====================================================================== error surfacing
+
+
+def _fail_one_save(ckpt, disk_dir, fault, name="bad.pt"):
+    path = os.path.join(disk_dir, name)
+    fault("write", errno=errno.EIO)
+    h = ckpt.save(big_obj(8), path)
+    h._done.wait(30)  # wait without reporting
+    assert h.done()
+    return path, h
+
+
+def _assert_async_error(e: AsyncCheckpointError, path: str) -> None:
+    cause = e.__cause__
+    assert isinstance(cause, OSError), repr(cause)
+    assert cause.errno == errno.EIO
+    assert path in str(cause)
+    assert path in str(e)
+
+
+@pytest.mark.parametrize("surface", ["save", "fence", "wait", "close", "wait_for"])
+def test_background_error_raised_once_at_the_next_call(disk_dir, fault, surface):
+    ckpt = AsyncCheckpointer(backend="buffered")
+    try:
+        path, h = _fail_one_save(ckpt, disk_dir, fault)
+        time.sleep(0.05)
+        with pytest.raises(AsyncCheckpointError) as ei:
+            if surface == "save":
+                ckpt.save(big_obj(1), os.path.join(disk_dir, "next.pt"))
+            elif surface == "fence":
+                ckpt.fence()
+            elif surface == "wait":
+                ckpt.wait()
+            elif surface == "wait_for":
+                ckpt.wait_for(path)
+            else:
+                ckpt.close()
+        _assert_async_error(ei.value, path)
+        assert not os.path.exists(path)
+        assert_no_temps(disk_dir)
+        # Exactly once: later calls are clean.
+        if surface != "close":
+            ckpt.fence()
+            ckpt.wait()
+            h2 = ckpt.save(big_obj(1), os.path.join(disk_dir, "after.pt"))
+            ckpt.wait()
+            assert h2.result().bytes > 0
+    finally:
+        ckpt.close()
+
+
+def test_fence_right_after_failure_raises(disk_dir, fault):
+    """Once handle.done() is True the failure must be visible to fence() (no race)."""
+    misses = 0
+    for i in range(30):
+        ckpt = AsyncCheckpointer(backend="buffered")
+        raised = 0
+        try:
+            _fail_one_save(ckpt, disk_dir, fault, name=f"bad{i}.pt")
+            try:
+                ckpt.fence()
+                misses += 1
+            except AsyncCheckpointError:
+                raised += 1
+        finally:
+            try:
+                ckpt.close()
+            except AsyncCheckpointError:
+                raised += 1
+        assert raised == 1, "the failure must be raised exactly once"
+    assert misses == 0, f"{misses}/30 fences right after a failed save finished did not raise"
+
+
+def test_handle_result_raises_and_counts_as_reported(disk_dir, fault):
+    with AsyncCheckpointer(backend="buffered") as ckpt:
+        path, h = _fail_one_save(ckpt, disk_dir, fault)
+        with pytest.raises(AsyncCheckpointError) as ei:
+            h.result()
+        _assert_async_error(ei.value, path)
+        assert isinstance(h.exception(), OSError)
+        with pytest.raises(AsyncCheckpointError):
+            h.result()  # the handle keeps saying so
+        ckpt.fence()  # ...but the checkpointer does not raise it a second time
+        ckpt.wait()
+    assert not os.path.exists(path)
+    assert_no_temps(disk_dir)
+
+
+def test_directory_removed_under_a_save(disk_dir):
+    d = os.path.join(disk_dir, "sub")
+    os.makedirs(d)
+    path = os.path.join(d, "x.pt")
+    ckpt = AsyncCheckpointer(backend="buffered")
+    try:
+        h = ckpt.save(big_obj(64), path)
+        shutil.rmtree(d)
+        with pytest.raises(AsyncCheckpointError) as ei:
+            ckpt.wait()
+        assert isinstance(ei.value.__cause__, OSError)
+        assert ei.value.__cause__.errno == errno.ENOENT
+        assert h.done()
+        assert not os.path.exists(path)
+    finally:
+        ckpt.close()
+
+
+def test_serialization_error_raised_by_save_itself(disk_dir):
+    with AsyncCheckpointer() as ckpt:
+        with pytest.raises(fp_core.CheckpointSerializationError):
+            ckpt.save({"bad": lambda: 0}, os.path.join(disk_dir, "x.pt"))
+        assert not ckpt.pending()
+        assert_no_temps(disk_dir)
+        with pytest.raises(FileNotFoundError):
+            ckpt.save({}, os.path.join(disk_dir, "missing", "x.pt"))
+
+
+# ====================================================================== bounded in-flight
+
+
+def test_max_in_flight_one_waits_for_the_previous_commit(disk_dir):
+    events: list[tuple[str, str, float]] = []
+    lock = threading.Lock()
+
+    def on_commit(path, stats):
+        with lock:
+            events.append(("commit", os.path.basename(path), time.perf_counter()))
+
+    with AsyncCheckpointer(max_in_flight=1, when_busy="wait", backend="buffered") as ckpt:
+        for i in range(3):
+            ckpt.save(big_obj(48, i), os.path.join(disk_dir, f"{i}.pt"), on_commit=on_commit)
+            with lock:
+                events.append(("returned", f"{i}.pt", time.perf_counter()))
+    order = [(k, n) for k, n, _ in events]
+    # save i+1 returns only after save i committed
+    for i in range(2):
+        assert order.index(("commit", f"{i}.pt")) < order.index(("returned", f"{i + 1}.pt")), order
+    assert [n for k, n in order if k == "commit"] == ["0.pt", "1.pt", "2.pt"]
+
+
+def test_when_busy_queue_returns_at_once_but_stays_bounded(disk_dir):
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def on_commit(path, stats):
+        with lock:
+            events.append(("commit", os.path.basename(path)))
+
+    with AsyncCheckpointer(max_in_flight=1, when_busy="queue", backend="buffered") as ckpt:
+        for i in range(4):
+            ckpt.save(big_obj(48, i), os.path.join(disk_dir, f"{i}.pt"), on_commit=on_commit)
+            with lock:
+                events.append(("returned", f"{i}.pt"))
+            assert len(ckpt._saves) <= 2
+    order = events
+    assert order.index(("returned", "1.pt")) < order.index(("commit", "0.pt")), order  # queued
+    assert order.index(("commit", "0.pt")) < order.index(("returned", "2.pt")), order  # bounded
+    assert [n for k, n in order if k == "commit"] == ["0.pt", "1.pt", "2.pt", "3.pt"]
+    for i in range(4):
+        got = fp_core.load(os.path.join(disk_dir, f"{i}.pt"), verify=True)
+        assert got["meta"]["v"] == i and got["big"][0].item() == i
+
+
+# ====================================================================== enqueue
+
+
+def test_enqueue_runs_after_the_save_commits(disk_dir):
+    old = os.path.join(disk_dir, "old.pt")
+    new = os.path.join(disk_dir, "new.pt")
+    fp_core.save({"x": 1}, old)
+    seen = {}
+
+    def rotate(p):
+        seen["new_exists"] = os.path.exists(new)
+        seen["new_ok"] = fp_core.verify(new)["bytes"] > 0
+        os.remove(p)
+        return "removed"
+
+    with AsyncCheckpointer(backend="buffered") as ckpt:
+        ckpt.save(big_obj(64), new)
+        h = ckpt.enqueue(rotate, old)
+        assert h.result(timeout=60) == "removed"
+    assert seen == {"new_exists": True, "new_ok": True}
+    assert not os.path.exists(old)
+
+
+def test_enqueue_skipped_when_the_save_failed(disk_dir, fault):
+    old = os.path.join(disk_dir, "old.pt")
+    fp_core.save({"x": 1}, old)
+    ran = []
+    ckpt = AsyncCheckpointer(backend="buffered")
+    try:
+        fault("write", errno=errno.EIO)
+        ckpt.save(big_obj(8), os.path.join(disk_dir, "new.pt"))
+        h = ckpt.enqueue(lambda: ran.append(1) or os.remove(old))
+        with pytest.raises(AsyncCheckpointError) as ei:
+            h.result(timeout=60)
+        chain, e = [], ei.value
+        while e is not None:
+            chain.append(e)
+            e = e.__cause__
+        assert any(isinstance(c, OSError) and c.errno == errno.EIO for c in chain), chain
+        errors = 0
+        for call in (ckpt.fence, ckpt.wait, ckpt.close):
+            try:
+                call()
+            except AsyncCheckpointError:
+                errors += 1
+        assert errors <= 1
+    finally:
+        ckpt.close()
+    assert ran == []
+    assert os.path.exists(old)
+    fp_core.verify(old)
+
+
+def test_enqueue_after_explicit_handles(disk_dir):
+    order = []
+    with AsyncCheckpointer(max_in_flight=2, backend="buffered") as ckpt:
+        h1 = ckpt.save(big_obj(32), os.path.join(disk_dir, "a.pt"), on_commit=lambda p, s: order.append("a"))
+        j = ckpt.enqueue(order.append, "job", after=[h1])
+        j.result(timeout=60)
+    assert order == ["a", "job"]
+
+
+# ====================================================================== close / context / on_commit
+
+
+def test_close_drains_and_refuses_more(disk_dir):
+    ckpt = AsyncCheckpointer(backend="buffered")
+    paths = [os.path.join(disk_dir, f"{i}.pt") for i in range(2)]
+    handles = [ckpt.save(big_obj(32, i), p) for i, p in enumerate(paths)]
+    ckpt.close()
+    assert all(h.done() for h in handles)
+    assert not ckpt.pending()
+    for i, p in enumerate(paths):
+        assert fp_core.load(p, verify=True)["meta"]["v"] == i
+    with pytest.raises(RuntimeError):
+        ckpt.save({}, os.path.join(disk_dir, "late.pt"))
+    ckpt.close()  # idempotent
+    assert ckpt._thread is None
+
+
+def test_context_manager_drains_and_does_not_mask_an_error(disk_dir):
+    path = os.path.join(disk_dir, "cm.pt")
+    with AsyncCheckpointer(backend="buffered") as ckpt:
+        ckpt.save(big_obj(32), path)
+        assert ckpt.pending() and ckpt.pending(path)
+    assert not ckpt.pending(path)
+    fp_core.verify(path)
+    with pytest.raises(KeyError):
+        with AsyncCheckpointer(backend="buffered") as ckpt:
+            ckpt.save(big_obj(32, 2.0), path)
+            raise KeyError("user error")
+    assert fp_core.load(path)["meta"]["v"] == 2.0
+
+
+def test_on_commit_sees_the_final_file(disk_dir):
+    path = os.path.join(disk_dir, "c.pt")
+    seen = {}
+
+    def on_commit(p, stats):
+        seen["path"] = p
+        seen["exists"] = os.path.exists(p)
+        seen["size"] = os.path.getsize(p) == stats.bytes
+        seen["verify"] = fp_core.verify(p)["bytes"]
+        seen["temps"] = [n for n in os.listdir(disk_dir) if n.endswith(".fptmp")]
+
+    with AsyncCheckpointer(backend="buffered") as ckpt:
+        ckpt.save(big_obj(16), path, on_commit=on_commit)
+    assert seen["path"] == path
+    assert seen["exists"] and seen["size"] and seen["verify"] > 0
+    assert seen["temps"] == []
+
+
+def test_on_commit_error_is_surfaced(disk_dir):
+    def boom(p, s):
+        raise ValueError("callback failed")
+
+    ckpt = AsyncCheckpointer()
+    ckpt.save({"x": torch.ones(3)}, os.path.join(disk_dir, "x.pt"), on_commit=boom)
+    with pytest.raises(AsyncCheckpointError) as ei:
+        ckpt.close()
+    assert isinstance(ei.value.__cause__, ValueError)
+
+
+def test_wait_for_and_pending(disk_dir):
+    a, b = os.path.join(disk_dir, "a.pt"), os.path.join(disk_dir, "b.pt")
+    with AsyncCheckpointer(max_in_flight=2, backend="buffered") as ckpt:
+        ckpt.save(big_obj(32), a)
+        ckpt.save(big_obj(8), b)
+        ckpt.wait_for(a)
+        assert not ckpt.pending(a)
+        assert os.path.exists(a)
+        ckpt.wait()
+        assert not ckpt.pending()
+
+
+# ====================================================================== resources
+
+
+@pytest.mark.parametrize("policy", ["overlap", "snapshot"])
+def test_200_async_saves_do_not_grow(disk_dir, policy):
+    obj = {"w": torch.randn(512 * 1024), "b": torch.randn(1000), "m": [1, 2]}
+    path = os.path.join(disk_dir, "r.pt")
+    with AsyncCheckpointer(policy=policy, max_in_flight=2, when_busy="queue") as ckpt:
+        for _ in range(10):
+            ckpt.save(obj, path)
+        ckpt.wait()
+        gc.collect()
+        fds, threads, rss = fd_count(), thread_count(), rss_bytes()
+        for i in range(200):
+            h = ckpt.save(obj, path)
+            if i % 50 == 0:
+                ckpt.fence()
+        ckpt.wait()
+        assert h.result().bytes > 0
+        gc.collect()
+        assert fd_count() == fds
+        assert thread_count() == threads
+        grown = rss_bytes() - rss
+        assert grown < 64 * MiB, f"RSS grew {grown / MiB:.1f} MiB over 200 async saves"
+        assert len(ckpt._arenas) <= 2
+    gc.collect()
+    assert_no_temps(disk_dir)
+    assert_identical(obj, fp_core.load(path, verify=True))
+
+
+def test_checkpointers_are_independent_and_threads_stop(disk_dir):
+    t0 = thread_count()
+    cks = [AsyncCheckpointer() for _ in range(5)]
+    for i, c in enumerate(cks):
+        c.save({"x": torch.ones(10) * i}, os.path.join(disk_dir, f"{i}.pt"))
+    for c in cks:
+        c.close()
+    gc.collect()
+    assert thread_count() <= t0
+
+
+def test_wait_for_raises_as_soon_as_the_handle_is_done(disk_dir, fault, monkeypatch):
+    """The worker is preempted right after finishing a failed save's handle (emulated with a
+    sleep): wait_for(path) must still raise, not return as if the save were durable."""
+    call = "wait_for"
+    orig = fp_core.Handle._finish
+
+    def slow_finish(self, result=None, error=None):
+        orig(self, result, error)
+        time.sleep(0.2)
+
+    monkeypatch.setattr(fp_core.Handle, "_finish", slow_finish)
+    ckpt = AsyncCheckpointer(backend="buffered")
+    raised = []
+    try:
+        path, h = _fail_one_save(ckpt, disk_dir, fault)
+        try:
+            ckpt.wait_for(path)
+        except AsyncCheckpointError:
+            raised.append(call)
+    finally:
+        try:
+            ckpt.close()
+        except AsyncCheckpointError:
+            raised.append("close")
+    assert raised == [call], f"the failed save of {path} was reported by {raised}"
