@@ -107,32 +107,26 @@ class SparseFile(io.RawIOBase):
             if s + len(b) == off and (i + 1 == len(self._starts) or self._starts[i + 1] >= end):
                 b.extend(data)
                 return
+        # General path: replace only the segments the write overlaps (a slice, found by
+        # bisection), keeping the heads and tails that stick out. Each torch storage
+        # skipped by a seek starts a new segment, so this runs once per record.
+        lo = max(0, i)
+        if lo < len(self._starts) and self._starts[lo] + len(self._segs[lo]) <= off:
+            lo += 1
+        hi = bisect.bisect_left(self._starts, end, lo)
         new_starts, new_segs = [], []
-        placed = False
-        for s, b in zip(self._starts, self._segs):
-            e = s + len(b)
-            if e <= off or s >= end:
-                if s >= end and not placed:
-                    new_starts.append(off)
-                    new_segs.append(bytearray(data))
-                    placed = True
-                new_starts.append(s)
-                new_segs.append(b)
-                continue
-            if s < off:  # keep the head of an overlapped segment
-                new_starts.append(s)
-                new_segs.append(b[: off - s])
-            if not placed:
-                new_starts.append(off)
-                new_segs.append(bytearray(data))
-                placed = True
-            if e > end:  # keep the tail
+        if lo < hi and self._starts[lo] < off:
+            new_starts.append(self._starts[lo])
+            new_segs.append(self._segs[lo][: off - self._starts[lo]])
+        new_starts.append(off)
+        new_segs.append(bytearray(data))
+        if lo < hi:
+            s_last, b_last = self._starts[hi - 1], self._segs[hi - 1]
+            if s_last + len(b_last) > end:
                 new_starts.append(end)
-                new_segs.append(b[end - s :])
-        if not placed:
-            new_starts.append(off)
-            new_segs.append(bytearray(data))
-        self._starts, self._segs = new_starts, new_segs
+                new_segs.append(b_last[end - s_last :])
+        self._starts[lo:hi] = new_starts
+        self._segs[lo:hi] = new_segs
 
     @property
     def size(self) -> int:
