@@ -123,7 +123,16 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     range (``topology``: "replica" = every rank, "node" = one per host, an int k = k per
     host, or a list of ranks); ``sharded=True`` when each rank holds different state and
     writes its own ``path``, all-or-nothing. See :mod:`fp_core.distributed`.
+
+    Remote fsspec URLs (``s3://``, ``memory://``...) are staged locally, committed and
+    uploaded before this returns (options ``storage_options=``, ``keep_local=``); see
+    :mod:`fp_core.remote`. ``file://`` URLs are local paths.
     """
+    from . import remote
+
+    is_remote, path = remote.split(path)
+    if is_remote:
+        return remote.save(obj, path, format=format, metadata=metadata, group=group, sharded=sharded, **options)
     if group is not None or sharded:
         from . import distributed
 

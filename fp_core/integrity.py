@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _native
+from . import _native, remote
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 from .manifest import RECORD_SUFFIX, STRUCTURE, TAIL, TAIL_COMMENT_PREFIX, Manifest, RecordInfo
 from .plan import structure_crc
@@ -113,7 +113,9 @@ def verify(path: str | os.PathLike) -> dict:
     record (and the tensor that uses it), or :class:`NotAFastPersistCheckpoint`.
     """
     t0 = time.perf_counter()
-    path = os.fspath(path)
+    is_url, path = remote.split(os.fspath(path))
+    if is_url:
+        return remote.verify(path)
     view = read_manifest(path)
     check_structure(view)
     scratch = np.empty(_SCRATCH_BYTES, dtype=np.uint8)
