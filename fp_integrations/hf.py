@@ -1,0 +1,627 @@
+"""FastPersist for the Hugging Face ``Trainer`` (transformers 5.x).
+
+    from fp_integrations.hf import FastPersistCallback
+    trainer = Trainer(model, args, train_dataset=ds, callbacks=[FastPersistCallback()])
+    trainer.train()
+
+What it does
+------------
+The callback takes over the Trainer's checkpoint save. It writes the same files as stock,
+into the same ``output_dir/checkpoint-{global_step}`` directory:
+
+* model weights as safetensors, exactly as ``save_pretrained`` lays them out (tied
+  weights dropped, weight conversions reverted, shards + ``model.safetensors.index.json``
+  past the shard size), plus ``config.json`` / ``generation_config.json``, the
+  tokenizer / processor files and ``training_args.bin``;
+* ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` (AMP with a scaler) — standard
+  ``torch.save`` zips, loadable with ``torch.load(weights_only=True)``;
+* ``rng_state.pth`` / ``rng_state_{rank}.pth`` (one per rank) and ``trainer_state.json``
+  (with the stateful callbacks updated, as stock).
+
+Weights, optimizer, scheduler and scaler state go through ``fp_core.AsyncCheckpointer``:
+the save returns promptly and the files are written while training goes on. The
+checkpoint is staged in ``output_dir/.fastpersist-staging-{step}`` (a name that neither
+``checkpoint-*`` globbing nor the Trainer's ``^checkpoint-(\\d+)$`` regex picks up), every
+file is made durable, and only then is the directory renamed to ``checkpoint-{step}``
+and the parent directory fsync'ed. So ``resume_from_checkpoint=True`` only ever sees
+complete checkpoints. ``save_total_limit`` rotation runs after that commit, on the
+background worker, with the same ``rotate_checkpoints`` call stock makes.
+
+How it takes over
+-----------------
+The Trainer's save *decisions* are kept untouched: ``DefaultFlowCallback`` sets
+``control.should_save``, ``_maybe_log_save_evaluate`` logs, evaluates, updates
+``best_metric`` / ``best_global_step`` (and applies ``save_strategy="best"``), then calls
+``trainer._save_checkpoint(model, trial)`` and ``on_save``. The callback replaces
+``_save_checkpoint`` **on that trainer instance** with an asynchronous re-implementation
+of transformers 5.24's ``Trainer._save_checkpoint`` (store_flos, save_model,
+best_model_checkpoint, optimizer/scheduler/scaler/RNG, stateful callbacks +
+trainer_state.json, rotation). Intercepting at the ``should_save`` flag in ``on_step_end``
+instead would run before that step's logging and evaluation (so ``trainer_state.json``
+and best-model tracking would be one step stale) and cannot see ``save_strategy="best"``.
+
+A callback does not receive the trainer. Pass it explicitly when you can::
+
+    cb = FastPersistCallback(); trainer = Trainer(..., callbacks=[cb]); cb.attach(trainer)
+    # or FastPersistCallback(trainer=trainer) + trainer.add_callback(cb)
+
+Otherwise the callback finds the trainer that calls ``on_init_end`` / ``on_train_begin``
+on it (the ``self`` of the calling ``Trainer`` method on the call stack).
+
+Consistency and durability
+--------------------------
+* ``on_pre_optimizer_step``: fence — the background no longer reads live parameters or
+  optimizer state. With ``on_error="raise"`` the core's global ``torch.optim`` step
+  pre-hook is installed too, as a second guard. Tensors of at most 1 MiB (BatchNorm
+  statistics, ``step`` counters) are copied by the core at save time.
+* ``on_step_begin``: fence too when the model has persistent buffers larger than that
+  (they may change during forward); ``fence_on_step_begin=True/False`` forces it.
+* Drain (everything durable, committed and rotated) when the Trainer logs its final
+  ``train_runtime`` summary — that is *before* ``_load_best_model`` and the
+  ``save_total_limit == 1`` cleanup in ``_finalize_training`` — and again at
+  ``on_train_end``. So the final checkpoint is durable before ``train()`` returns.
+  ``cb.wait()`` drains by hand (e.g. after an exception stopped training).
+
+Multi-process (torchrun / DDP)
+------------------------------
+Every rank writes its own ``rng_state_{rank}.pth``; ``args.should_save`` ranks write the
+shared files. Each checkpoint ends with a job on each rank's background worker that
+agrees with the other ranks (all-reduce of a success flag on a dedicated gloo group,
+created at ``on_train_begin``), after which the saving rank commits and rotates, then a
+barrier, so a rank's ``wait()`` returns only once the checkpoint is committed.
+NOTE: the shared files are written by one rank only; partitioning a file's bytes across
+data-parallel writers (DESIGN D4) is separate later work in fp_core. ``save_on_each_node``
+with a *shared* filesystem is not supported (two ranks would commit the same directory).
+
+FSDP, DeepSpeed, XLA/TPU, SageMaker MP, models sharded at load time, ``push_to_hub`` and
+Trainer subclasses that override ``_save_checkpoint`` fall back to the stock save, with
+one warning.
+
+Errors: ``on_error="raise"`` (default) re-raises a failed checkpoint in the training
+loop (at the save itself, or at the next fence / drain for background failures);
+``"warn"`` logs it, discards the incomplete checkpoint and keeps training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+
+from fp_core.commit import fsync_dir
+from fp_core.pipeline import AsyncCheckpointer
+
+log = logging.getLogger("fastpersist.hf")
+
+__all__ = ["FastPersistCallback", "STAGING_PREFIX", "intercept_safetensors_writes"]
+
+STAGING_PREFIX = ".fastpersist-staging-"
+_REPLACED_PREFIX = ".fastpersist-replaced-"
+TRAINER_STATE_NAME = "trainer_state.json"
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+SCALER_NAME = "scaler.pt"
+_JIT_SENTINEL = "checkpoint-is-incomplete.txt"
+
+# ---------------------------------------------------------------------------------------
+# Routing save_pretrained's safetensors writes to the async checkpointer
+# ---------------------------------------------------------------------------------------
+_intercept_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def intercept_safetensors_writes(ckptr: AsyncCheckpointer, handles: list) -> Iterator[None]:
+    """Within the block, safetensors files written by ``save_pretrained`` (and by the
+    Trainer's plain-``nn.Module`` path) are handed to ``ckptr`` instead of written inline.
+
+    This keeps ``save_pretrained``'s own state-dict logic (tied weights, weight-conversion
+    revert, quantizer metadata, sharding, the index file, config files) byte-for-byte,
+    and only replaces the final ``safe_save_file(tensors, filename, metadata)`` call.
+    The handles of the started saves are appended to ``handles``. Main thread only.
+    """
+    import safetensors.torch as st_torch
+    import transformers.modeling_utils as mu
+
+    def _save_file(tensors: dict, filename: Any, metadata: dict | None = None) -> None:
+        handles.append(ckptr.save(dict(tensors), os.fspath(filename), format="safetensors",
+                                  metadata=metadata))
+
+    with _intercept_lock:
+        orig_mu = getattr(mu, "safe_save_file", None)
+        orig_st = st_torch.save_file
+        if orig_mu is not None:
+            mu.safe_save_file = _save_file
+        st_torch.save_file = _save_file
+        try:
+            yield
+        finally:
+            if orig_mu is not None:
+                mu.safe_save_file = orig_mu
+            st_torch.save_file = orig_st
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    fsync_dir(path)
+
+
+def _fallback_reason(trainer: Any) -> str | None:
+    """Why this trainer must keep the stock save, or None when we can take over."""
+    args = trainer.args
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        return "DeepSpeed is enabled"
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        return "FSDP is enabled"
+    if getattr(trainer, "is_distributed_loading_by_transformers", False):
+        return "the model was sharded at load time"
+    try:
+        from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+        if is_torch_xla_available():
+            return "XLA/TPU is in use"
+        if is_sagemaker_mp_enabled():
+            return "SageMaker model parallelism is enabled"
+    except ImportError:  # pragma: no cover - older/newer transformers layout
+        pass
+    if getattr(args, "push_to_hub", False):
+        return "push_to_hub is set (checkpoint uploads are not handled by FastPersist)"
+    if type(trainer)._save_checkpoint is not Trainer._save_checkpoint:
+        return f"{type(trainer).__name__} overrides _save_checkpoint"
+    return None
+
+
+def _find_trainer_on_stack(max_depth: int = 12) -> Trainer | None:
+    f = sys._getframe(2)
+    for _ in range(max_depth):
+        if f is None:
+            return None
+        obj = f.f_locals.get("self")
+        if isinstance(obj, Trainer):
+            return obj
+        f = f.f_back
+    return None
+
+
+@dataclass
+class CheckpointRecord:
+    """One checkpoint the callback started; ``stats`` of the callback lists these."""
+
+    step: int
+    path: str
+    staging: str
+    started: float
+    blocked_seconds: float = 0.0  # time the training thread spent inside the save call
+    fence_seconds: float = 0.0  # time later fences waited for this checkpoint
+    commit_seconds: float | None = None  # save start -> committed (renamed + fsync'ed)
+    bytes: int = 0
+    ok: bool | None = None  # None while pending
+    error: str | None = None
+    handles: list = field(default_factory=list, repr=False)
+    commit: Any = field(default=None, repr=False)
+
+
+class FastPersistCallback(TrainerCallback):
+    """Asynchronous, atomic, durable Trainer checkpoints through fp_core.
+
+    Args:
+        trainer: the Trainer (optional; see the module doc for how it is found otherwise).
+        policy: "auto" | "overlap" | "snapshot" — fp_core's staging policy.
+        max_in_flight: checkpoints not yet committed at once (default 1). A save beyond it
+            waits for the oldest to commit.
+        on_error: "raise" (default) or "warn".
+        fence_on_step_begin: True / False / "auto" (when the model has persistent
+            buffers too big for the core's copy-at-save-time).
+        **engine_options: fp_core engine options (backend, queue_depth, ...).
+    """
+
+    def __init__(self, trainer: Trainer | None = None, *, policy: str = "auto", max_in_flight: int = 1,
+                 on_error: str = "raise", fence_on_step_begin: bool | str = "auto",
+                 **engine_options: Any) -> None:
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        if fence_on_step_begin not in (True, False, "auto"):
+            raise ValueError("fence_on_step_begin must be True, False or 'auto'")
+        self.policy = policy
+        self.max_in_flight = max_in_flight
+        self.on_error = on_error
+        self.fence_on_step_begin = fence_on_step_begin
+        self.engine_options = engine_options
+        self.trainer: Trainer | None = None
+        self.records: list[CheckpointRecord] = []
+        self.fallback_reason: str | None = None
+        self._ckptr: AsyncCheckpointer | None = None
+        self._group: Any = None
+        self._group_ready = False
+        self._fence_step_begin = False
+        self._pending: list[CheckpointRecord] = []
+        self._scheduled: set[str] = set()  # checkpoints started and not (yet) known failed
+        self._reported: set[int] = set()
+        self._installed_on: Trainer | None = None
+        self._warned_no_trainer = False
+        if trainer is not None:
+            self.attach(trainer)
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, trainer: Trainer) -> FastPersistCallback:
+        """Bind to ``trainer`` and take over its checkpoint save (idempotent)."""
+        if self._installed_on is trainer:
+            return self
+        if self._installed_on is not None:
+            self._uninstall()
+        self.trainer = trainer
+        self.fallback_reason = _fallback_reason(trainer)
+        if self.fallback_reason is not None:
+            warnings.warn(f"FastPersistCallback: {self.fallback_reason}; using the Trainer's stock "
+                          "(synchronous) checkpoint save.", stacklevel=2)
+            self._installed_on = trainer
+            return self
+        trainer._save_checkpoint = self._save_checkpoint  # instance attribute shadows the method
+        self._installed_on = trainer
+        return self
+
+    def _uninstall(self) -> None:
+        t = self._installed_on
+        if t is not None and t.__dict__.get("_save_checkpoint") == self._save_checkpoint:
+            del t.__dict__["_save_checkpoint"]
+        self._installed_on = None
+
+    def detach(self) -> None:
+        """Drain, then give the trainer its stock save back."""
+        self.close()
+        self._uninstall()
+        self.trainer = None
+
+    def _ensure_trainer(self) -> bool:
+        if self.trainer is None:
+            t = _find_trainer_on_stack()
+            if t is not None:
+                self.attach(t)
+        if self.trainer is None and not self._warned_no_trainer:
+            self._warned_no_trainer = True
+            warnings.warn("FastPersistCallback could not find its Trainer; checkpoints use the stock "
+                          "save. Call callback.attach(trainer).", stacklevel=3)
+        return self.trainer is not None and self.fallback_reason is None
+
+    @property
+    def active(self) -> bool:
+        return self.trainer is not None and self.fallback_reason is None
+
+    @property
+    def checkpointer(self) -> AsyncCheckpointer:
+        if self._ckptr is None:
+            # max_in_flight is per file in the core; we bound whole checkpoints ourselves.
+            # The Trainer calls on_pre_optimizer_step (our fence) right before every
+            # optimizer.step(). The core's global step pre-hook is kept as a second guard
+            # with on_error="raise"; with "warn" it is left out, because an error it
+            # surfaced would be raised from inside optimizer.step(), past our handling.
+            self._ckptr = AsyncCheckpointer(policy=self.policy, max_in_flight=1024,
+                                            install_optimizer_hook=self.on_error == "raise",
+                                            **self.engine_options)
+        return self._ckptr
+
+    # ------------------------------------------------------------------ errors
+    def _handle_error(self, e: BaseException, what: str) -> None:
+        if id(e) in self._reported:
+            return
+        self._reported.add(id(e))
+        if self.on_error == "raise":
+            raise e
+        log.warning("FastPersist: %s failed: %s: %s (training continues; on_error='warn')",
+                    what, type(e).__name__, e)
+        warnings.warn(f"FastPersist: {what} failed: {type(e).__name__}: {e}", stacklevel=3)
+
+    def _reap(self) -> None:
+        """Account for committed / failed checkpoints (main thread)."""
+        still = []
+        for rec in self._pending:
+            if rec.commit is None or not rec.commit.done():
+                still.append(rec)
+                continue
+            err = rec.commit.exception()
+            if err is None and rec.ok is False:
+                self._scheduled.discard(rec.path)
+            elif err is not None:
+                rec.ok, rec.error = False, f"{type(err).__name__}: {err}"
+                self._scheduled.discard(rec.path)
+        self._pending = still
+
+    def _call(self, fn: Any, what: str) -> float:
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001
+            self._reap()
+            self._handle_error(e, what)
+        finally:
+            self._reap()
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ public
+    def fence(self) -> float:
+        """Block until no in-flight save reads live training memory; returns seconds waited."""
+        if self._ckptr is None or not self._pending:
+            return 0.0
+        dt = self._call(self._ckptr.fence, "checkpoint write")
+        for rec in self._pending:
+            rec.fence_seconds += dt
+        return dt
+
+    def wait(self) -> None:
+        """Block until every started checkpoint is committed (and rotation done)."""
+        if self._ckptr is not None:
+            self._call(self._ckptr.wait, "checkpoint write")
+
+    def close(self) -> None:
+        if self._ckptr is not None:
+            ck, self._ckptr = self._ckptr, None
+            self._call(ck.close, "checkpoint write")
+
+    @property
+    def stats(self) -> list[CheckpointRecord]:
+        return list(self.records)
+
+    # ------------------------------------------------------------------ events
+    def on_init_end(self, args, state, control, **kwargs):
+        if self.trainer is None:
+            self._ensure_trainer()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not self._ensure_trainer():
+            return
+        tr = self.trainer
+        self._fence_step_begin = self._decide_step_begin_fence(kwargs.get("model") or tr.model)
+        self._setup_group()
+        # Remove staging directories left by a crashed run (nothing of ours is pending).
+        if args.should_save and not self._pending and os.path.isdir(args.output_dir):
+            for name in os.listdir(args.output_dir):
+                if name.startswith((STAGING_PREFIX, _REPLACED_PREFIX)):
+                    shutil.rmtree(os.path.join(args.output_dir, name), ignore_errors=True)
+        self._barrier()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self._fence_step_begin:
+            self.fence()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.fence()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        # _finalize_training logs the train summary right before _load_best_model and the
+        # save_total_limit == 1 cleanup: every checkpoint must be committed by then.
+        if logs and "train_runtime" in logs:
+            self.wait()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.wait()
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _decide_step_begin_fence(self, model: Any) -> bool:
+        if self.fence_on_step_begin != "auto":
+            return bool(self.fence_on_step_begin)
+        small = 1 << 20
+        try:
+            keys = set(model.state_dict().keys())
+            for name, b in model.named_buffers():
+                if name in keys and b.numel() * b.element_size() > small:
+                    return True
+        except Exception:  # noqa: BLE001 - conservative
+            return True
+        return False
+
+    def _distributed(self) -> bool:
+        return (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1)
+
+    def _setup_group(self) -> None:
+        if self._group_ready or not self._distributed():
+            return
+        # A dedicated gloo group, so the background worker's agreement never interleaves with
+        # the training collectives on the default group. Collective: every rank runs this here.
+        self._group = torch.distributed.new_group(backend="gloo")
+        self._group_ready = True
+
+    def _barrier(self) -> None:
+        if self._group_ready:
+            torch.distributed.barrier(group=self._group)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """transformers 5.24 ``Trainer._save_checkpoint``, asynchronous and atomic."""
+        tr = self.trainer
+        if tr is None or self.fallback_reason is not None:
+            return Trainer._save_checkpoint(tr, model, trial)
+        self._setup_group()  # normally done at on_train_begin
+        args, state = tr.args, tr.state
+        t0 = time.perf_counter()
+
+        # Bound checkpoints in flight; also never stage the same step twice at once.
+        self._reap()
+        while len(self._pending) >= self.max_in_flight:
+            self._call(lambda: self._pending[0].commit.exception(), "checkpoint write")
+            self._reap()
+
+        checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if tr.hp_search_backend is None and trial is None:
+            tr.store_flos()
+        run_dir = tr._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, checkpoint_folder)
+        staging = os.path.join(run_dir, f"{STAGING_PREFIX}{state.global_step}")
+        rec = CheckpointRecord(step=state.global_step, path=final, staging=staging, started=t0)
+        jit = os.path.exists(os.path.join(final, _JIT_SENTINEL))
+        handles: list = rec.handles
+        sync_files: list[str] = []  # plain files this rank wrote, fsync'ed before commit
+        error: BaseException | None = None
+        self._check_pending_errors()
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            os.makedirs(staging, exist_ok=True)
+            ckptr = self.checkpointer
+
+            # 1. model weights (+ config, generation config, processing class, training_args.bin)
+            with intercept_safetensors_writes(ckptr, handles):
+                tr.save_model(staging, _internal_call=True)
+
+            # 2. best model checkpoint: stock checks that the directory exists (after a barrier);
+            #    the best one may be this very checkpoint, still staged: count those we started.
+            if (args.save_strategy in [SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST]
+                    and state.best_global_step):
+                best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+                if best_dir == final or best_dir in self._scheduled or os.path.exists(best_dir):
+                    state.best_model_checkpoint = best_dir
+
+            # 3. optimizer, scheduler, scaler (async), RNG (tiny; the Trainer's own method)
+            if not args.save_only_model:
+                if args.should_save:
+                    handles.append(ckptr.save(tr.optimizer.state_dict(), os.path.join(staging, OPTIMIZER_NAME)))
+                    with warnings.catch_warnings(record=True) as caught:
+                        sched_sd = tr.lr_scheduler.state_dict()
+                    from transformers.trainer_pt_utils import reissue_pt_warnings
+                    reissue_pt_warnings(caught)
+                    handles.append(ckptr.save(sched_sd, os.path.join(staging, SCHEDULER_NAME)))
+                    scaler = getattr(tr.accelerator, "scaler", None)
+                    if scaler is not None:
+                        handles.append(ckptr.save(scaler.state_dict(), os.path.join(staging, SCALER_NAME)))
+                rng_before = set(os.listdir(staging))
+                tr._save_rng_state(staging)
+                sync_files += [os.path.join(staging, n) for n in sorted(set(os.listdir(staging)) - rng_before)]
+
+            # 4. trainer state, with the stateful callbacks as of now
+            if args.should_save:
+                for cb in [cb for cb in tr.callback_handler.callbacks + [tr.control]
+                           if isinstance(cb, ExportableState)]:
+                    cb_name = cb.__class__.__name__
+                    cb_state = cb.state()
+                    if isinstance(state.stateful_callbacks[cb_name], list):
+                        state.stateful_callbacks[cb_name].append(cb_state)
+                    else:
+                        state.stateful_callbacks[cb_name] = cb_state
+                state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+                # everything else this rank wrote inline (config, tokenizer, json, args, rng)
+                written_async = {os.path.basename(h.path) for h in handles}
+                sync_files = [os.path.join(staging, n) for n in sorted(os.listdir(staging))
+                              if n not in written_async and not n.endswith(".fptmp")
+                              and os.path.isfile(os.path.join(staging, n))]
+        except BaseException as e:  # noqa: BLE001 - reported below, after the ranks agree
+            error = e
+
+        # 5. commit (+ rotation) on the background worker, strictly after this checkpoint's writes
+        best = state.best_model_checkpoint
+        should_save = args.should_save
+        save_total_limit = args.save_total_limit
+        distributed = self._group_ready
+
+        def commit() -> bool:
+            return self._commit(rec, list(handles), sync_files, run_dir, should_save, save_total_limit,
+                                best, distributed, failed=error is not None)
+        commit.__name__ = f"commit {checkpoint_folder}"
+        # Enqueued even after a failure: it cleans the staging directory once the writes
+        # already started have finished, and keeps the ranks' agreement steps paired.
+        try:
+            rec.commit = self.checkpointer.enqueue(commit, after=[])
+        except BaseException as e:  # noqa: BLE001
+            error = error or e
+        if error is not None and rec.commit is None and should_save:
+            shutil.rmtree(staging, ignore_errors=True)
+        rec.blocked_seconds = time.perf_counter() - t0
+        self.records.append(rec)
+        if rec.commit is not None:
+            self._pending.append(rec)
+            self._scheduled.add(final)
+        if error is not None:
+            rec.ok, rec.error = False, f"{type(error).__name__}: {error}"
+            self._scheduled.discard(final)
+            self._handle_error(error, f"checkpoint {final}")
+            return
+        if jit:  # JIT (SIGTERM) checkpoint: the process is about to go away, make it durable now
+            self.wait()
+
+    def _check_pending_errors(self) -> None:
+        """Surface background failures of earlier checkpoints before starting a new one, so
+        that one is reported on its own and does not also fail this checkpoint."""
+        if self._ckptr is not None:
+            self._call(self._ckptr.fence, "checkpoint write")
+        self._reap()
+
+    def _commit(self, rec: CheckpointRecord, handles: list, sync_files: list[str], run_dir: str,
+                should_save: bool, save_total_limit: int | None, best: str | None, distributed: bool,
+                failed: bool) -> bool:
+        """Background worker: agree across ranks, rename staging -> checkpoint-N, rotate."""
+        ok = not failed
+        nbytes = 0
+        for h in handles:  # FIFO worker: all of them have finished by now
+            if h.exception() is not None:
+                ok = False  # the core reports that error itself, at the next fence / wait
+            else:
+                nbytes += getattr(h.result(), "bytes", 0) or 0
+        if ok:
+            try:
+                for p in sync_files:
+                    _fsync_file(p)
+            except OSError:
+                ok = False
+                if not distributed:
+                    raise
+        if distributed:
+            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self._group)
+            ok = bool(flag.item())
+        err: BaseException | None = None
+        if should_save:
+            try:
+                if ok:
+                    self._publish(rec.staging, rec.path, run_dir)
+                    rotate_checkpoints(output_dir=run_dir, save_total_limit=save_total_limit,
+                                       best_model_checkpoint=best, use_mtime=True)
+                else:
+                    shutil.rmtree(rec.staging, ignore_errors=True)
+            except BaseException as e:  # noqa: BLE001
+                err, ok = e, False
+                shutil.rmtree(rec.staging, ignore_errors=True)
+        if distributed:
+            torch.distributed.barrier(group=self._group)  # committed before any rank moves on
+        rec.bytes = nbytes
+        rec.ok = ok
+        rec.commit_seconds = time.perf_counter() - rec.started
+        if err is not None:
+            raise err
+        if not ok and not failed and not any(h.exception() for h in handles) and distributed:
+            raise RuntimeError(f"checkpoint {rec.path} failed on another rank; not committed")
+        return ok
+
+    @staticmethod
+    def _publish(staging: str, final: str, run_dir: str) -> None:
+        _fsync_dir(staging)
+        replaced = None
+        if os.path.lexists(final):  # saving a step again (rerun, JIT sentinel dir): replace it
+            replaced = os.path.join(run_dir, _REPLACED_PREFIX + os.path.basename(final))
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(final, replaced)
+        os.rename(staging, final)
+        _fsync_dir(run_dir)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+
