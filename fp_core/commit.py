@@ -93,6 +93,70 @@ def _owner_alive(name: str) -> bool:
     return True
 
 
+PLACEHOLDER_XATTR = "user.fastpersist.pending"
+
+
+def claim(final: str) -> bool:
+    """Make a pending checkpoint's final name exist now, as a marked empty placeholder.
+
+    Frameworks decide names by asking whether a file exists (Lightning's ``-v1`` counter),
+    so a save still in flight must be visible. The placeholder carries an extended
+    attribute naming its writer: ``clean`` (run by every save into the directory) removes
+    it if that writer died, and loaders can tell it from a checkpoint. Returns False, and
+    creates nothing, when the name exists or the filesystem has no user xattrs.
+    """
+    try:
+        fd = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.setxattr(fd, PLACEHOLDER_XATTR, f"{_HOST}-{os.getpid()}-0".encode())
+    except OSError:
+        os.close(fd)
+        os.unlink(final)
+        return False
+    os.close(fd)
+    return True
+
+
+def placeholder_owner(path: str) -> str | None:
+    """The writer tag of a placeholder made by :func:`claim`, or None for anything else."""
+    try:
+        if os.path.islink(path) or os.path.getsize(path) != 0:
+            return None
+        return os.getxattr(path, PLACEHOLDER_XATTR).decode()
+    except OSError:
+        return None
+
+
+def is_placeholder(path: str) -> bool:
+    return placeholder_owner(path) is not None
+
+
+def release(final: str) -> None:
+    """Remove our own placeholder (the save failed); a finished file is left alone."""
+    if placeholder_owner(final) is not None:
+        discard(final)
+
+
+def _stale_placeholders(directory: str) -> list[str]:
+    out = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for e in entries:
+        try:
+            if not e.is_file(follow_symlinks=False) or e.stat(follow_symlinks=False).st_size != 0:
+                continue
+        except OSError:
+            continue
+        owner = placeholder_owner(e.path)
+        if owner is not None and not _owner_alive(f".x.{owner}{TMP_SUFFIX}"):
+            out.append(e.path)
+    return out
+
+
 def stale_temps(directory: str) -> list[str]:
     """Temp files in ``directory`` whose writer is gone."""
     try:
@@ -107,13 +171,13 @@ def stale_temps(directory: str) -> list[str]:
 
 
 def clean(directory: str | Path, recursive: bool = False) -> list[str]:
-    """Remove orphaned temp files (crashed saves). Returns what was removed."""
+    """Remove orphaned temp files and placeholders of crashed saves. Returns what was removed."""
     removed = []
     dirs = [str(directory)]
     if recursive:
         dirs = [root for root, _, _ in os.walk(directory)]
     for d in dirs:
-        for p in stale_temps(d):
+        for p in stale_temps(d) + _stale_placeholders(d):
             discard(p)
             removed.append(p)
     return removed

@@ -453,8 +453,24 @@ class AsyncCheckpointer:
             if self._hook is None:
                 self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
 
-    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        # optimizer.step(closure) runs forward and backward inside the step, before the
+        # update (Lightning's automatic optimization, LBFGS): fence after the closure, so
+        # the write still overlaps them. Without a closure, fence now.
+        if callable(kwargs.get("closure")):
+            return args, dict(kwargs, closure=self._fenced(kwargs["closure"]))
+        if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
+            return (args[0], self._fenced(args[1]), *args[2:]), kwargs
         self.fence()
+        return None
+
+    def _fenced(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        def fenced_closure() -> Any:
+            out = closure()
+            self.fence()
+            return out
+
+        return fenced_closure
 
     def _maybe_remove_hook(self) -> None:
         with self._cv:

@@ -510,3 +510,32 @@ def test_wait_for_raises_as_soon_as_the_handle_is_done(disk_dir, fault, monkeypa
         except AsyncCheckpointError:
             raised.append("close")
     assert raised == [call], f"the failed save of {path} was reported by {raised}"
+
+
+def test_optimizer_hook_fences_after_a_step_closure(disk_dir):
+    """optimizer.step(closure): the fence waits until forward/backward inside the closure ran."""
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    order: list[str] = []
+    with fp_core.AsyncCheckpointer(policy="overlap") as ckpt:
+        real_fence = ckpt.fence
+
+        def fence() -> None:
+            order.append("fence")
+            real_fence()
+
+        ckpt.fence = fence
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        ckpt.save(model.state_dict(), os.path.join(disk_dir, "c.pt"))
+
+        def closure():
+            order.append("closure")
+            opt.zero_grad()
+            loss = model(torch.ones(2, 256)).sum()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        assert order[:2] == ["closure", "fence"]
+    got = torch.load(os.path.join(disk_dir, "c.pt"))
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

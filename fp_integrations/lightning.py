@@ -1,0 +1,587 @@
+"""PyTorch Lightning integration: a ``CheckpointIO`` plugin that saves in the background.
+
+Usage (``lightning`` package)::
+
+    from fp_integrations.lightning import FastPersistIO, FastPersistCallback
+    trainer = Trainer(plugins=[FastPersistIO()], callbacks=[FastPersistCallback(log_stats=True)])
+
+Usage (``pytorch_lightning`` package; its ``CheckpointIO``/``Callback`` are different
+classes, so it gets its own)::
+
+    from fp_integrations.lightning import PLFastPersistIO, PLFastPersistCallback
+    trainer = pytorch_lightning.Trainer(plugins=[PLFastPersistIO()])
+
+The same plugin works with Fabric (``Fabric(plugins=[FastPersistIO()])``;
+``PLFastPersistIO`` for ``lightning_fabric``).
+
+What the plugin does
+--------------------
+* ``save_checkpoint`` hands the checkpoint to an ``fp_core.AsyncCheckpointer`` and returns
+  while the file is written, synced and atomically renamed in the background. Files are
+  ordinary ``torch.save`` zips (``torch.load``, ``load_from_checkpoint`` keep working).
+* Consistency: parameters and optimizer state only change inside ``optimizer.step()``.
+  The plugin registers a global ``torch.optim`` step pre-hook that *fences* (waits until
+  no background save still reads live tensors) right before the update. When the step
+  is given a closure (Lightning's automatic optimization runs forward and backward inside
+  ``optimizer.step(closure)``) the fence runs after the closure, so the write overlaps the
+  next forward and backward. Small tensors (BatchNorm statistics) are copied at save time.
+* A save is *blocking* (durable before ``save_checkpoint`` returns) when asked with
+  ``storage_options={"blocking": True}``, for SLURM requeue saves (``hpc_ckpt_*.ckpt``,
+  the process dies next), for the ``ddp_spawn`` hand-back file (``.temp.ckpt``), and for
+  any save after ``teardown()`` until training resumes (the next optimizer step): a
+  ``trainer.save_checkpoint`` after ``fit()`` is complete when it returns.
+* While a save is pending its final name already exists (an empty placeholder marked with
+  an extended attribute, replaced atomically by the finished file), so ``ModelCheckpoint``'s
+  existence checks (the ``-v1`` version counter, ``save_last``) behave exactly as with the
+  stock IO. Disable with ``visible_pending=False`` (filesystems without user xattrs get
+  no placeholder). A crash mid-save can leave a placeholder behind: ``load_checkpoint``
+  reports it clearly, and ``fastpersist clean DIR`` or the next save into the directory
+  removes it (its writer is dead).
+* ``remove_checkpoint`` runs on the background worker after every pending save, so a
+  ``save_top_k`` rotation never deletes a file still being written, and is skipped when
+  one of those saves failed (the older checkpoint is kept).
+* ``load_checkpoint`` waits for a pending save of that path. ``teardown()`` drains all.
+* Errors in the background are raised at the next plugin call, at the next optimizer
+  step, or at ``teardown()`` (never masking an exception already propagating), so
+  ``fit()`` fails; ``on_error="warn"`` turns them into warnings and training continues.
+* Non-local paths (``s3://``, ``memory://``...) go through Lightning's stock
+  ``TorchCheckpointIO`` synchronously.
+
+Distributed: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
+only (DDP), so rank 0 writes alone. Letting all data-parallel ranks write disjoint byte
+ranges needs a Strategy that calls the plugin on every rank; see ``_start_save``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import warnings
+import weakref
+from collections import deque
+from dataclasses import fields
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import fp_core
+from fp_core import AsyncCheckpointError, CheckpointError
+from fp_core import commit as fp_commit
+
+log = logging.getLogger("fastpersist")
+
+_HPC_NAME = re.compile(r"^hpc_ckpt_\d+\.ckpt$")  # SLURM auto-requeue: the process is killed right after
+_SPAWN_TEMP_NAME = ".temp.ckpt"  # ddp_spawn hands the final weights back through this file, then exits
+_ENGINE_OPTION_NAMES = frozenset(f.name for f in fields(fp_core.EngineOptions))
+_STORAGE_OPTION_KEYS = frozenset({"blocking"})
+_RUNTIME_ATTRS = ("_lock", "_ckpt", "_pending", "_committed", "_unlogged", "_hook", "_hook_finalizer",
+                  "_torn_down", "_remote", "save_call_seconds", "fence_seconds", "fence_count",
+                  "fence_overlaps")
+
+
+class FastPersistWarning(UserWarning):
+    """A background checkpoint failed and ``on_error="warn"`` let training continue."""
+
+
+def _is_local(path: Any) -> bool:
+    s = os.fspath(path) if not isinstance(path, str) else path
+    s = str(s)
+    return "://" not in s or s.startswith("file://")
+
+
+def _local_path(path: Any) -> str:
+    s = str(os.fspath(path))
+    if s.startswith("file://"):
+        s = s[len("file://"):]
+    return os.path.abspath(s)
+
+
+def _remove_path(path: str) -> None:
+    """Like ``TorchCheckpointIO.remove_checkpoint``: remove a file, link or directory; silent if missing."""
+    try:
+        if os.path.islink(path) or os.path.isfile(path):
+            os.remove(path)
+        elif os.path.isdir(path):
+            shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
+
+
+class _Pending:
+    __slots__ = ("handle", "placeholder", "call_seconds")
+
+    def __init__(self, handle: Any, placeholder: bool) -> None:
+        self.handle = handle
+        self.placeholder = placeholder
+        self.call_seconds = 0.0
+
+
+class _FastPersistIOImpl:
+    """Namespace-independent implementation; mixed into each namespace's ``CheckpointIO``."""
+
+    _torch_io_cls: Any = None  # the namespace's TorchCheckpointIO, for non-local paths
+
+    def __init__(self, *, async_save: bool = True, policy: str = "auto", max_in_flight: int = 1,
+                 verify: bool = False, on_error: str = "raise", visible_pending: bool = True,
+                 on_commit: Any = None, keep_stats: int = 1000, **options: Any) -> None:
+        """
+        Args:
+            async_save: write in the background (default). ``False``: every save is synchronous
+                (still FastPersist's atomic, durable native writer).
+            policy: "auto" | "overlap" | "snapshot", see ``fp_core.AsyncCheckpointer``.
+            max_in_flight: saves not yet durable at once; a further save waits for the oldest.
+            verify: ``load_checkpoint`` checks every byte against the saved checksums.
+            on_error: "raise" (default): a failed background save fails ``fit()``; "warn": a
+                ``FastPersistWarning`` is issued and training continues.
+            visible_pending: make a pending checkpoint's name exist at once (see module doc).
+            on_commit: optional ``fn(path, stats)`` run in the background after each save is
+                durable under its final name (must be picklable for ``ddp_spawn``).
+            keep_stats: how many committed ``SaveStats`` to keep in ``self.stats``.
+            **options: engine options (``backend``, ``queue_depth``, ``chunk_bytes``,
+                ``copy_threads``, ``io_threads``) and other ``AsyncCheckpointer`` options
+                (``snapshot_budget_bytes``, ``small_tensor_bytes``, ``when_busy``).
+        """
+        super().__init__()
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+        if policy not in ("auto", "overlap", "snapshot"):
+            raise ValueError(f"policy must be 'auto', 'overlap' or 'snapshot', not {policy!r}")
+        self.async_save = async_save
+        self.policy = policy
+        self.max_in_flight = max_in_flight
+        self.verify = verify
+        self.on_error = on_error
+        self.visible_pending = visible_pending
+        self.on_commit = on_commit
+        self.keep_stats = keep_stats
+        self.options = dict(options)
+        self.engine_options = {k: v for k, v in options.items() if k in _ENGINE_OPTION_NAMES}
+        fp_core.EngineOptions(**self.engine_options)  # validate now, not at the first save
+        self._init_runtime()
+
+    # ------------------------------------------------------------------ pickling (ddp_spawn)
+    def _init_runtime(self) -> None:
+        self._lock = threading.RLock()
+        self._ckpt: Any = None  # fp_core.AsyncCheckpointer, created at the first async save
+        self._pending: dict[str, list[_Pending]] = {}
+        self._committed: deque = deque(maxlen=self.keep_stats)  # SaveStats, oldest first
+        self._unlogged: deque = deque()  # for FastPersistCallback(log_stats=True)
+        self._hook: Any = None
+        self._hook_finalizer: Any = None
+        self._torn_down = False
+        self._remote: Any = None
+        self.save_call_seconds: list[float] = []  # training-thread time inside each save_checkpoint
+        self.fence_seconds = 0.0  # training-thread time spent waiting at fences
+        self.fence_count = 0  # fences run (optimizer steps while a checkpointer exists)
+        self.fence_overlaps = 0  # fences that found a save still in flight (the write overlapped a step)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for k in _RUNTIME_ATTRS:
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    # ------------------------------------------------------------------ CheckpointIO API
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` to ``path``; returns before the write is done unless blocking.
+
+        ``storage_options={"blocking": True}`` makes this save durable before returning.
+        """
+        blocking = self._parse_storage_options(storage_options)
+        if not _is_local(path):
+            self._remote_io().save_checkpoint(checkpoint, path)
+            return
+        t0 = time.perf_counter()
+        path = _local_path(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        name = os.path.basename(path)
+        self._install_hook()  # the next optimizer step marks training as running (see teardown)
+        if not self.async_save or self._torn_down or _HPC_NAME.match(name) or name == _SPAWN_TEMP_NAME:
+            blocking = True
+        try:
+            with self._lock:
+                self._sweep()
+                entry = self._start_save(checkpoint, path, blocking)
+            if blocking and entry is not None:
+                entry.handle.result()
+        except Exception as e:
+            if not self._failed(e, f"saving checkpoint {path}"):
+                raise
+        finally:
+            dt = time.perf_counter() - t0
+            self.save_call_seconds.append(dt)
+            if len(self.save_call_seconds) > self.keep_stats:
+                del self.save_call_seconds[0]
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint (waiting for a pending save of it first), like ``TorchCheckpointIO``."""
+        if not _is_local(path):
+            if map_location is None:
+                return self._remote_io().load_checkpoint(path, weights_only=weights_only)
+            return self._remote_io().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        p = _local_path(path)
+        self._wait_for(p)
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        if fp_commit.is_placeholder(p):
+            raise CheckpointError(
+                f"checkpoint {path} is the placeholder of a FastPersist save that never finished (the writing "
+                "process was killed?); `fastpersist clean DIR`, or the next save into that directory, removes it")
+        if map_location is None:
+            map_location = "cpu"  # TorchCheckpointIO's default keeps storages on the CPU
+        return fp_core.load(p, map_location=map_location, weights_only=weights_only, verify=self.verify)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove ``path`` after every pending save (never under a write); silent if missing."""
+        if not _is_local(path):
+            self._remote_io().remove_checkpoint(path)
+            return
+        p = _local_path(path)
+        try:
+            with self._lock:
+                self._sweep()
+                ckpt = self._ckpt
+                if ckpt is not None and ckpt.pending():
+                    ckpt.enqueue(_remove_path, p)  # errors surface at the next call, like a save's
+                    return
+            _remove_path(p)
+        except Exception as e:
+            if not self._failed(e, f"removing checkpoint {path}"):
+                raise
+
+    def teardown(self) -> None:
+        """Drain pending writes (end of fit/validate/test/predict). Raises a pending failure,
+        unless an exception is already propagating (then it is logged, not raised)."""
+        in_flight = sys.exc_info()[1]
+        self._install_hook()  # clears _torn_down at the next optimizer step
+        with self._lock:
+            self._torn_down = True  # later saves are blocking until training resumes
+            ckpt, self._ckpt = self._ckpt, None
+        if ckpt is None:
+            return
+        try:
+            ckpt.close()
+        except Exception as e:
+            if in_flight is not None:
+                log.error("fastpersist: a pending checkpoint failed while another error propagated: %s", e)
+                warnings.warn(f"a pending checkpoint failed while another error propagated: {e}",
+                              FastPersistWarning, stacklevel=2)
+            else:
+                if not self._failed(e, "draining pending checkpoints at teardown"):
+                    raise
+        finally:
+            with self._lock:
+                self._sweep(final=True)
+
+    # ------------------------------------------------------------------ extras
+    def wait(self) -> None:
+        """Block until every pending checkpoint is durable (raises a pending failure)."""
+        ckpt = self._ckpt
+        if ckpt is None:
+            return
+        try:
+            ckpt.wait()
+        except Exception as e:
+            if not self._failed(e, "waiting for pending checkpoints"):
+                raise
+        finally:
+            with self._lock:
+                self._sweep()
+
+    def pending(self, path: Any = None) -> bool:
+        """Is a save (of ``path``, or any) still in progress?"""
+        ckpt = self._ckpt
+        if ckpt is None:
+            return False
+        return ckpt.pending(None if path is None else _local_path(path))
+
+    @property
+    def stats(self) -> list[Any]:
+        """``fp_core.SaveStats`` of committed saves, oldest first (``keep_stats`` most recent)."""
+        return list(self._committed)
+
+    @property
+    def last_stats(self) -> Any:
+        return self._committed[-1] if self._committed else None
+
+    def pop_unlogged_stats(self) -> list[Any]:
+        """Committed ``SaveStats`` not yet handed to a logger (used by ``FastPersistCallback``)."""
+        out = []
+        while self._unlogged:
+            out.append(self._unlogged.popleft())
+        return out
+
+    def fence(self) -> None:
+        """Wait until no pending save reads live training memory (called before parameters change)."""
+        ckpt = self._ckpt
+        if ckpt is None:
+            return
+        t0 = time.perf_counter()
+        self.fence_count += 1
+        if ckpt.pending():
+            self.fence_overlaps += 1
+        try:
+            ckpt.fence()
+        except Exception as e:
+            if not self._failed(e, "background checkpoint"):
+                raise
+        finally:
+            self.fence_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _parse_storage_options(storage_options: Any) -> bool:
+        if storage_options is None:
+            return False
+        if not isinstance(storage_options, dict) or set(storage_options) - _STORAGE_OPTION_KEYS:
+            raise TypeError(f"FastPersistIO storage_options must be None or a dict with keys "
+                            f"{sorted(_STORAGE_OPTION_KEYS)}, got {storage_options!r}")
+        return bool(storage_options.get("blocking", False))
+
+    def _remote_io(self) -> Any:
+        if self._remote is None:
+            self._remote = self._torch_io_cls()
+        return self._remote
+
+    def _checkpointer(self) -> Any:
+        if self._ckpt is None:
+            rest = {k: v for k, v in self.options.items() if k not in _ENGINE_OPTION_NAMES}
+            self._ckpt = fp_core.AsyncCheckpointer(
+                policy=self.policy, max_in_flight=self.max_in_flight,
+                install_optimizer_hook=False,  # ours runs the fence after the step's closure
+                **self.engine_options, **rest)
+        self._install_hook()
+        return self._ckpt
+
+    def _start_save(self, checkpoint: Any, path: str, blocking: bool) -> _Pending | None:
+        """Start one save; the single place a multi-writer partitioner would plug in.
+
+        A future ``FastDDPStrategy`` calling the plugin on every DP rank would pass its
+        rank/world here and have each rank write its byte range of one shared temp file.
+        """
+        if blocking and self._ckpt is None:
+            # nothing in the background to order against: plain synchronous save, no thread
+            stats = fp_core.save(checkpoint, path, **self.engine_options)
+            self._on_commit(path, stats)
+            return None
+        ckpt = self._checkpointer()
+        placeholder = False
+        if self.visible_pending and not blocking and not os.path.lexists(path):
+            placeholder = fp_commit.claim(path)
+        try:
+            try:
+                handle = ckpt.save(checkpoint, path, on_commit=self._on_commit)
+            except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
+                if self.on_error != "warn":
+                    raise
+                self._warn(e, "background checkpoint")
+                handle = ckpt.save(checkpoint, path, on_commit=self._on_commit)
+        except BaseException:
+            if placeholder:
+                self._drop_placeholder(path)
+            raise
+        entry = _Pending(handle, placeholder)
+        self._pending.setdefault(path, []).append(entry)
+        return entry
+
+    def _on_commit(self, path: str, stats: Any) -> None:
+        # runs on the background thread once the file is durable under its final name
+        self._committed.append(stats)
+        self._unlogged.append(stats)
+        if len(self._unlogged) > self.keep_stats:
+            self._unlogged.popleft()
+        if self.on_commit is not None:
+            self.on_commit(path, stats)
+
+    def _sweep(self, final: bool = False) -> None:
+        """Forget finished saves; remove placeholders of failed ones. Caller holds the lock."""
+        for path in list(self._pending):
+            entries = self._pending[path]
+            keep = [e for e in entries if not e.handle.done()]
+            for e in entries:
+                if e.handle.done() and e.placeholder and e.handle.exception() is not None and not keep:
+                    self._drop_placeholder(path)
+            if keep and not final:
+                self._pending[path] = keep
+            else:
+                del self._pending[path]
+
+    @staticmethod
+    def _drop_placeholder(path: str) -> None:
+        fp_commit.release(path)
+
+    def _wait_for(self, path: str) -> None:
+        ckpt = self._ckpt
+        if ckpt is None:
+            return
+        targets = {path, os.path.realpath(path)}
+        try:
+            for t in targets:
+                if ckpt.pending(t):
+                    ckpt.wait_for(t)
+        except Exception as e:
+            if not self._failed(e, f"waiting for checkpoint {path}"):
+                raise
+        with self._lock:
+            self._sweep()
+
+    def _failed(self, e: Exception, what: str) -> bool:
+        """True when ``e`` was turned into a warning (``on_error="warn"``); else the caller re-raises."""
+        if self.on_error != "warn":
+            return False
+        if isinstance(e, (TypeError, ValueError)) and not isinstance(e, CheckpointError):
+            return False  # a programming error (bad argument), not a failed write
+        self._warn(e, what)
+        return True
+
+    def _warn(self, e: BaseException, what: str) -> None:
+        cause = e.__cause__ if isinstance(e, AsyncCheckpointError) and e.__cause__ is not None else e
+        msg = f"fastpersist: {what} failed, training continues (on_error='warn'): {type(cause).__name__}: {cause}"
+        log.warning(msg)
+        warnings.warn(msg, FastPersistWarning, stacklevel=3)
+
+    # -- the fence before the optimizer step
+    def _install_hook(self) -> None:
+        if self._hook is not None:
+            return
+        ref = weakref.ref(self)
+
+        def hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
+            me = ref()
+            return None if me is None else me._on_optimizer_step(args, kwargs)
+
+        self._hook = register_optimizer_step_pre_hook(hook)
+        self._hook_finalizer = weakref.finalize(self, self._hook.remove)
+
+    def _on_optimizer_step(self, args: Any, kwargs: Any) -> Any:
+        self._torn_down = False  # training is running: saves are asynchronous again
+        if self._ckpt is None:
+            return None
+        # optimizer.step(closure): forward+backward run inside the step, before the update;
+        # fence after the closure so the write overlaps them.
+        if callable(kwargs.get("closure")):
+            closure = kwargs["closure"]
+            kwargs = dict(kwargs, closure=self._fenced(closure))
+            return args, kwargs
+        if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
+            return (args[0], self._fenced(args[1]), *args[2:]), kwargs
+        self.fence()
+        return None
+
+    def _fenced(self, closure: Any) -> Any:
+        def fenced_closure() -> Any:
+            out = closure()
+            self.fence()
+            return out
+
+        return fenced_closure
+
+
+class _FastPersistCallbackImpl:
+    """Companion callback (optional): logs per-checkpoint stats to the trainer's loggers and
+    fences at ``on_before_optimizer_step`` (for optimizers that are not ``torch.optim``)."""
+
+    def __init__(self, log_stats: bool = True, fence: bool = True, prefix: str = "fastpersist/") -> None:
+        super().__init__()
+        self.log_stats = log_stats
+        self.fence = fence
+        self.prefix = prefix
+
+    @staticmethod
+    def _plugin(trainer: Any) -> _FastPersistIOImpl | None:
+        io = getattr(trainer.strategy, "checkpoint_io", None)
+        for _ in range(3):  # unwrap _WrappingCheckpointIO layers
+            if isinstance(io, _FastPersistIOImpl):
+                return io
+            io = getattr(io, "checkpoint_io", None)
+        return None
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        if self.fence:
+            plugin = self._plugin(trainer)
+            if plugin is not None:
+                plugin.fence()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._log(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log(trainer)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._log(trainer)  # after teardown: the last saves are committed now
+
+    def _log(self, trainer: Any) -> None:
+        if not self.log_stats or not trainer.is_global_zero:
+            return
+        plugin = self._plugin(trainer)
+        if plugin is None:
+            return
+        for st in plugin.pop_unlogged_stats():
+            metrics = {
+                f"{self.prefix}gbps": st.gbps,
+                f"{self.prefix}write_ms": st.write_seconds * 1e3,
+                f"{self.prefix}save_ms": st.seconds * 1e3,
+                f"{self.prefix}blocked_ms": st.blocked_seconds * 1e3,
+                f"{self.prefix}mib": st.bytes / 2**20,
+            }
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+
+
+# ---------------------------------------------------------------------- concrete classes
+__all__ = ["FastPersistWarning"]
+
+try:  # the ``lightning`` package
+    from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LCheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as _LTorchCheckpointIO
+    from lightning.pytorch.callbacks import Callback as _LCallback
+except ImportError:  # pragma: no cover - depends on the environment
+    _LCheckpointIO = None
+else:
+
+    class FastPersistIO(_FastPersistIOImpl, _LCheckpointIO):
+        """FastPersist ``CheckpointIO`` for ``lightning`` (``lightning.pytorch.Trainer``, ``lightning.Fabric``)."""
+
+        _torch_io_cls = _LTorchCheckpointIO
+
+    class FastPersistCallback(_FastPersistCallbackImpl, _LCallback):
+        """Companion callback for ``lightning.pytorch.Trainer``."""
+
+    __all__ += ["FastPersistIO", "FastPersistCallback"]
+
+try:  # the ``pytorch_lightning`` package (with ``lightning_fabric``)
+    from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _PLCheckpointIO
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as _PLTorchCheckpointIO
+    from pytorch_lightning.callbacks import Callback as _PLCallback
+except ImportError:  # pragma: no cover
+    _PLCheckpointIO = None
+else:
+
+    class PLFastPersistIO(_FastPersistIOImpl, _PLCheckpointIO):
+        """FastPersist ``CheckpointIO`` for ``pytorch_lightning.Trainer`` and ``lightning_fabric.Fabric``."""
+
+        _torch_io_cls = _PLTorchCheckpointIO
+
+    class PLFastPersistCallback(_FastPersistCallbackImpl, _PLCallback):
+        """Companion callback for ``pytorch_lightning.Trainer``."""
+
+    __all__ += ["PLFastPersistIO", "PLFastPersistCallback"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("FastPersistIO", "FastPersistCallback"):
+        raise ImportError(f"{name} needs the 'lightning' package: pip install lightning")
+    if name in ("PLFastPersistIO", "PLFastPersistCallback"):
+        raise ImportError(f"{name} needs the 'pytorch_lightning' package: pip install pytorch-lightning")
+    raise AttributeError(name)
