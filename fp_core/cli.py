@@ -70,14 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-r", "--recursive", action="store_true")
     c.set_defaults(func=_cmd_clean)
 
-    try:
-        from . import bench
-    except ImportError:  # pragma: no cover - bench is optional at import time
-        bench = None
-    if bench is not None:
-        b = sub.add_parser("bench", help="benchmark against torch.save, Lightning, safetensors, DCP")
-        bench.add_arguments(b)
-        b.set_defaults(func=bench.run)
+    from . import bench
+
+    b = sub.add_parser("bench", help="benchmark against torch.save, Lightning, safetensors, DCP")
+    bench.add_arguments(b)
+    b.set_defaults(func=bench.run)
     return p
 
 

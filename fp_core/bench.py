@@ -1,0 +1,645 @@
+"""``fastpersist bench``: FastPersist against the usual ways of writing a checkpoint.
+
+Every row runs in this one process, on the same in-memory state dict (model weights plus
+Adam state: a few large float32/bf16 tensors and many small ones), writing to ``--dir``.
+Save rows report durable throughput (data on disk: fsync/fdatasync included); load rows
+read a file whose pages were dropped from the page cache first (cold). GB/s is always
+*tensor payload bytes* / seconds, so every row is measured against the same work.
+
+    fastpersist bench --dir /mnt/nvme/bench --size 4GiB --repeat 3 --plot bench.png
+    python -m fp_core.bench --size 1GiB --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+MiB = 1 << 20
+GiB = 1 << 30
+DEFAULT_SIZE = "1GiB"
+
+SAVE_ROWS = ("device", "torch", "lightning", "safetensors", "dcp", "fastpersist")
+LOAD_ROWS = ("load_device", "load_torch", "load_torch_mmap", "load_safetensors", "load_fastpersist",
+             "load_fastpersist_verify")
+ALL_ROWS = SAVE_ROWS + LOAD_ROWS
+
+LABELS = {
+    "device": "(a) device limit: native Engine, zero-copy, + fdatasync",
+    "torch": "(b) torch.save + fsync",
+    "lightning": "(c) Lightning _atomic_save (BytesIO) + fsync",
+    "safetensors": "(d) safetensors save_file + fsync",
+    "dcp": "(e) torch.distributed.checkpoint.save (no_dist)",
+    "fastpersist": "(f) fp_core.save",
+    "load_device": "device limit: native Reader, O_DIRECT",
+    "load_torch": "torch.load (torch.save file)",
+    "load_torch_mmap": "torch.load(mmap=True) + touch every page",
+    "load_safetensors": "safetensors load_file + touch every page",
+    "load_fastpersist": "fp_core.load",
+    "load_fastpersist_verify": "fp_core.load(verify=True)",
+}
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": MiB, "mb": 1000**2, "mib": MiB,
+          "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB' -> 4294967296; KiB/MiB/GiB are powers of two, KB/MB/GB of ten, K/M/G binary."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB, 4GiB)")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return n
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+# ---------------------------------------------------------------------------- the state dict
+def make_state_dict(nbytes: int, seed: int = 0) -> dict[str, Any]:
+    """A model + Adam-like checkpoint of about ``nbytes`` tensor bytes.
+
+    A third is parameters, two thirds Adam's exp_avg/exp_avg_sq of the same shapes. The
+    parameters: two large float32 matrices (70%), one bf16 embedding (20%), 200 mid-size
+    float32 tensors (~10%) and 400 tiny ones (LayerNorm/bias-like, 1-4 KiB), plus one
+    scalar ``step`` tensor per parameter in the optimizer state.
+    """
+    g = torch.Generator().manual_seed(seed)
+    params = nbytes // 3
+    shapes: list[tuple[str, int, torch.dtype]] = []  # (name, numel, dtype)
+    shapes.append(("layers.0.mlp.weight", int(params * 0.35) // 4, torch.float32))
+    shapes.append(("layers.1.mlp.weight", int(params * 0.35) // 4, torch.float32))
+    shapes.append(("embed.weight", int(params * 0.20) // 2, torch.bfloat16))
+    n_mid = 200
+    mid = max(1, int(params * 0.10) // 4 // n_mid)
+    shapes += [(f"blocks.{i}.proj.weight", mid, torch.float32) for i in range(n_mid)]
+    shapes += [(f"blocks.{i % 200}.norm{i // 200}.{'weight' if i % 2 else 'bias'}", 256 + 768 * (i % 2),
+                torch.float32) for i in range(400)]
+
+    noise = torch.empty(4 * MiB, dtype=torch.float32).uniform_(-1, 1, generator=g)
+    noise_by_dtype = {dt: noise.to(dt) for dt in (torch.float32, torch.bfloat16)}
+    cursor = {"pos": 0}
+
+    def tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
+        cols = 1024 if numel >= 1 << 20 else 1
+        t = torch.empty(numel // cols, cols, dtype=dtype) if cols > 1 else torch.empty(numel, dtype=dtype)
+        # Fill from a 16 MiB block of random floats (fast; the bytes only need to be real data).
+        src = noise_by_dtype[dtype]
+        flat = t.view(-1)
+        for lo in range(0, flat.numel(), src.numel()):
+            n = min(src.numel(), flat.numel() - lo)
+            start = cursor["pos"] % (src.numel() - n + 1)
+            flat[lo: lo + n].copy_(src[start: start + n])
+            cursor["pos"] += 7919
+        return t
+
+    model = {name: tensor(n, dt) for name, n, dt in shapes}
+    state = {
+        i: {"step": torch.tensor(100.0), "exp_avg": tensor(p.numel(), p.dtype).view_as(p),
+            "exp_avg_sq": tensor(p.numel(), p.dtype).view_as(p).abs_()}
+        for i, p in enumerate(model.values())
+    }
+    groups = [{"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "amsgrad": False,
+               "params": list(range(len(model)))}]
+    return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "epoch": 3, "global_step": 1000}
+
+
+def payload_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes()
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    return 0
+
+
+def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """{dotted.name: tensor} of every tensor in ``obj`` (what safetensors can store)."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+# ---------------------------------------------------------------------------- measurement
+def _status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def check_peak_reset() -> bool:
+    """Does reset_peak_rss really lower VmHWM here? (Touch 256 MiB, free it, reset.)"""
+    buf = np.ones(256 * MiB, dtype=np.uint8)
+    del buf
+    gc.collect()
+    high = _status_kib("VmHWM")
+    if not reset_peak_rss():
+        return False
+    return _status_kib("VmHWM") < high - 128 * 1024
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_cache(path: str) -> None:
+    """Evict ``path``'s pages from the page cache (fdatasync first so none are dirty)."""
+    paths = [os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path) else [path]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def settle(seconds: float = 0.5) -> None:
+    """Flush dirty data and give the device a moment (deletes on a discard mount trim)."""
+    os.sync()
+    time.sleep(seconds)
+
+
+def cache_drop_check(path: str, nbytes: int = 256 * MiB) -> dict[str, float]:
+    """Read the first ``nbytes`` of ``path`` cold (after drop_cache) and then warm; GB/s."""
+    nbytes = min(nbytes, os.path.getsize(path))
+    buf = bytearray(8 * MiB)
+    out = {}
+    for label in ("cold", "warm"):
+        if label == "cold":
+            drop_cache(path)
+        fd = os.open(path, os.O_RDONLY)
+        t0 = time.perf_counter()
+        pos = 0
+        while pos < nbytes:
+            n = os.preadv(fd, [memoryview(buf)[: min(len(buf), nbytes - pos)]], pos)
+            if n <= 0:
+                break
+            pos += n
+        dt = time.perf_counter() - t0
+        os.close(fd)
+        out[f"{label}_gbps"] = pos / dt / 1e9
+    return out
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    kind: str  # save | load
+    bytes: int
+    seconds: list[float] = field(default_factory=list)
+    peak_rss_added: int = 0  # bytes, max over repeats
+    file_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.median / 1e9 if self.seconds else 0.0
+
+
+def measure(row: Row, fn: Callable[[], Any], repeat: int, before: Callable[[], None] | None = None,
+            after: Callable[[Any], None] | None = None) -> None:
+    """Time ``fn`` ``repeat`` times; ``before``/``after`` run untimed around each call."""
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        gc.collect()
+        reset_peak_rss()
+        rss0 = _status_kib("VmRSS")
+        t0 = time.perf_counter()
+        result = fn()
+        dt = time.perf_counter() - t0
+        peak = _status_kib("VmHWM")
+        row.seconds.append(dt)
+        row.peak_rss_added = max(row.peak_rss_added, (peak - rss0) * 1024)
+        if after is not None:
+            after(result)
+        del result
+        gc.collect()
+
+
+# ---------------------------------------------------------------------------- save rows
+def _aligned_buffer(nbytes: int, align: int) -> np.ndarray:
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    off = (-raw.ctypes.data) % align
+    buf = raw[off: off + nbytes]
+    buf[:] = 0xA5  # fault every page in before timing
+    return buf
+
+
+def save_device(path: str, buf: np.ndarray, opts: dict[str, Any]) -> dict:
+    from . import _native
+
+    eng = _native.Engine(path, create=True, **opts)
+    try:
+        _, st = eng.write([(0, buf.ctypes.data, buf.nbytes)], 0, buf.nbytes, checksum=False, zero_copy=True)
+        eng.sync()
+    finally:
+        eng.close()
+    return {"backend": eng.backend}
+
+
+def save_torch(sd: Any, path: str) -> None:
+    torch.save(sd, path)
+    fsync_path(path)
+
+
+def _lightning_atomic_save() -> Callable[[Any, str], None]:
+    try:
+        from lightning.fabric.utilities.cloud_io import _atomic_save
+        return _atomic_save
+    except ImportError:
+        def _atomic_save(checkpoint: Any, filepath: str) -> None:  # what Lightning does
+            b = io.BytesIO()
+            torch.save(checkpoint, b)
+            with open(filepath, "wb") as f:
+                f.write(b.getvalue())
+        return _atomic_save
+
+
+def save_lightning(sd: Any, path: str, atomic_save: Callable[[Any, str], None]) -> None:
+    atomic_save(sd, path)
+    fsync_path(path)
+
+
+def save_safetensors(flat: dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+    save_file(flat, path)
+    fsync_path(path)
+
+
+def save_dcp(sd: Any, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    # No process group: no_dist=True; FileSystemWriter fsyncs its files (sync_files=True).
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True)
+
+
+def save_fastpersist(sd: Any, path: str, opts: dict[str, Any]) -> Any:
+    from .api import save
+    return save(sd, path, **opts)
+
+
+# ---------------------------------------------------------------------------- load rows
+def load_device(path: str, buf: np.ndarray, nbytes: int) -> None:
+    from . import _native
+    r = _native.Reader(path, direct=True)
+    try:
+        r.read_into(0, buf.ctypes.data, nbytes, checksum=False, threads=4)
+    finally:
+        r.close()
+
+
+def touch_pages(obj: Any) -> Any:
+    """Read one byte per 4 KiB page of every tensor, so lazily mapped data is really loaded."""
+    for t in flatten_tensors(obj).values():
+        if t.numel():
+            int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+    return obj
+
+
+def load_torch_mmap(path: str) -> Any:
+    return touch_pages(torch.load(path, mmap=True, weights_only=True))
+
+
+def load_safetensors(path: str) -> Any:
+    from safetensors.torch import load_file
+    return touch_pages(load_file(path))  # load_file maps the file lazily: touch to compare like with like
+
+
+# ---------------------------------------------------------------------------- the run
+def _opts_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = {}
+    for name in ("backend", "queue_depth", "chunk_bytes", "copy_threads", "io_threads"):
+        v = getattr(args, name, None)
+        if v is not None:
+            opts[name] = v
+    return opts
+
+
+def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    only = [r.strip() for r in args.only.split(",")] if args.only else list(ALL_ROWS)
+    unknown = [r for r in only if r not in ALL_ROWS]
+    if unknown:
+        raise SystemExit(f"--only: unknown rows {unknown}; choose from {','.join(ALL_ROWS)}")
+    os.makedirs(args.dir, exist_ok=True)
+    opts = _opts_from_args(args)
+    repeat = max(1, args.repeat)
+
+    t0 = time.perf_counter()
+    sd = make_state_dict(args.size)
+    flat = flatten_tensors(sd)
+    nbytes = payload_bytes(sd)
+    log(f"state dict: {fmt_bytes(nbytes)} in {len(flat)} tensors (built in {time.perf_counter() - t0:.1f} s); "
+        f"dir {os.path.abspath(args.dir)}; repeat {repeat} (median); torch threads {torch.get_num_threads()}")
+    peak_ok = check_peak_reset()
+    if not peak_ok:
+        log("warning: /proc/self/clear_refs does not reset VmHWM here; peak RSS column is process-wide")
+
+    files = {k: os.path.join(args.dir, f"bench-{k}.{ext}") for k, ext in
+             (("device", "bin"), ("torch", "pt"), ("lightning", "ckpt"), ("safetensors", "safetensors"),
+              ("dcp", "dcp"), ("fastpersist", "pt"))}
+    rows: dict[str, Row] = {}
+    keep = {"torch": any(r in only for r in ("load_torch", "load_torch_mmap")),
+            "safetensors": "load_safetensors" in only,
+            "fastpersist": any(r in only for r in ("load_fastpersist", "load_fastpersist_verify")),
+            "device": "load_device" in only}
+
+    def clear(path: str) -> Callable[[], None]:
+        def before() -> None:
+            remove(path)
+            settle()
+        return before
+
+    from . import _native
+    align = 4096
+    dev_buf = None
+    if "device" in only or "load_device" in only:
+        probe = _native.Engine(os.path.join(args.dir, ".bench-probe"), create=True, **opts)
+        align = max(align, probe.mem_alignment, probe.alignment)
+        probe.close()
+        remove(os.path.join(args.dir, ".bench-probe"))
+        dev_buf = _aligned_buffer((nbytes + align - 1) // align * align, align)
+
+    atomic_save = _lightning_atomic_save()
+    savers: dict[str, Callable[[], Any]] = {
+        "device": lambda: save_device(files["device"], dev_buf, opts),
+        "torch": lambda: save_torch(sd, files["torch"]),
+        "lightning": lambda: save_lightning(sd, files["lightning"], atomic_save),
+        "safetensors": lambda: save_safetensors(flat, files["safetensors"]),
+        "dcp": lambda: save_dcp(sd, files["dcp"]),
+        "fastpersist": lambda: save_fastpersist(sd, files["fastpersist"], opts),
+    }
+    fp_stats: list[Any] = []
+    for key in SAVE_ROWS:
+        if key not in only:
+            continue
+        row = rows[key] = Row(key, LABELS[key], "save", nbytes)
+        log(f"  {row.label} ...")
+        try:
+            after = {"fastpersist": fp_stats.append, "device": row.extra.update}.get(key)
+            measure(row, savers[key], repeat, before=clear(files[key]), after=after)
+            p = files[key]
+            row.file_bytes = (sum(os.path.getsize(os.path.join(p, n)) for n in os.listdir(p))
+                              if os.path.isdir(p) else os.path.getsize(p))
+        except Exception as e:  # noqa: BLE001 - one failing competitor must not stop the table
+            row.error = f"{type(e).__name__}: {e}"
+            log(f"    failed: {row.error}")
+        if not keep.get(key):
+            remove(files[key])
+    if fp_stats:
+        st = fp_stats[len(fp_stats) // 2]
+        rows["fastpersist"].extra = {k: v for k, v in st.as_dict().items() if k not in ("path", "extra")}
+
+    # ---- loads: each file dropped from the page cache before each read
+    def ensure(key: str, writer: Callable[[], Any]) -> str:
+        if not os.path.exists(files[key]):
+            writer()
+        return files[key]
+
+    loaders: dict[str, tuple[str, Callable[[], Any]]] = {}
+    if "load_device" in only:
+        ensure("device", savers["device"])
+        loaders["load_device"] = (files["device"], lambda: load_device(files["device"], dev_buf, nbytes))
+    if "load_torch" in only or "load_torch_mmap" in only:
+        ensure("torch", savers["torch"])
+        loaders["load_torch"] = (files["torch"], lambda: torch.load(files["torch"], weights_only=True))
+        loaders["load_torch_mmap"] = (files["torch"], lambda: load_torch_mmap(files["torch"]))
+    if "load_safetensors" in only:
+        ensure("safetensors", savers["safetensors"])
+        loaders["load_safetensors"] = (files["safetensors"], lambda: load_safetensors(files["safetensors"]))
+    if "load_fastpersist" in only or "load_fastpersist_verify" in only:
+        from .loader import load as fp_load
+        ensure("fastpersist", savers["fastpersist"])
+        loaders["load_fastpersist"] = (files["fastpersist"], lambda: fp_load(files["fastpersist"], weights_only=True))
+        loaders["load_fastpersist_verify"] = (files["fastpersist"],
+                                              lambda: fp_load(files["fastpersist"], weights_only=True, verify=True))
+    settle()  # the root fs may be mounted with discard: let deletions finish before timing reads
+    drop_check = None
+    for key in LOAD_ROWS:
+        if key not in only or key not in loaders:
+            continue
+        path, fn = loaders[key]
+        if drop_check is None:
+            drop_check = cache_drop_check(path)
+            log(f"  page-cache drop check on {os.path.basename(path)}: first 256 MiB read cold "
+                f"{drop_check['cold_gbps']:.2f} GB/s, warm {drop_check['warm_gbps']:.2f} GB/s")
+        row = rows[key] = Row(key, LABELS[key], "load", nbytes, file_bytes=os.path.getsize(path))
+        log(f"  {row.label} ...")
+        try:
+            measure(row, fn, repeat, before=lambda p=path: drop_cache(p))
+        except Exception as e:  # noqa: BLE001
+            row.error = f"{type(e).__name__}: {e}"
+            log(f"    failed: {row.error}")
+    for key in ("device", "torch", "safetensors", "fastpersist"):
+        remove(files[key])
+    dev_buf = None
+
+    return {
+        "size_bytes": nbytes,
+        "tensors": len(flat),
+        "dir": os.path.abspath(args.dir),
+        "repeat": repeat,
+        "engine_options": opts,
+        "torch_threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "peak_rss_reset_works": peak_ok,
+        "page_cache_drop_check": drop_check,
+        "rows": [dict(asdict(r), median_seconds=r.median, gbps=r.gbps) for r in rows.values()],
+        "targets": targets(rows),
+    }
+
+
+def targets(rows: dict[str, Row]) -> list[dict[str, Any]]:
+    out = []
+
+    def ok(r: str) -> bool:
+        return r in rows and not rows[r].error and bool(rows[r].seconds)
+
+    if ok("fastpersist") and ok("device"):
+        v = rows["fastpersist"].gbps / rows["device"].gbps
+        out.append({"target": "(f) >= 0.9 x (a)", "value": round(v, 3), "pass": v >= 0.9})
+    if ok("fastpersist") and ok("torch"):
+        v = rows["fastpersist"].gbps / rows["torch"].gbps
+        out.append({"target": "(f) >= 3 x (b)", "value": round(v, 3), "pass": v >= 3.0})
+    if ok("fastpersist"):
+        v = rows["fastpersist"].peak_rss_added / MiB
+        out.append({"target": "(f) peak RSS added <= 300 MiB", "value": round(v, 1), "pass": v <= 300})
+    if ok("load_fastpersist") and ok("load_torch"):
+        v = rows["load_fastpersist"].gbps / rows["load_torch"].gbps
+        out.append({"target": "fp_core.load >= 2 x torch.load (cold)", "value": round(v, 3), "pass": v >= 2.0})
+    return out
+
+
+def format_report(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    by = {r["key"]: r for r in rows}
+    lines = [f"checkpoint: {fmt_bytes(res['size_bytes'])} of tensors ({res['tensors']} tensors), "
+             f"median of {res['repeat']}, dir {res['dir']}, {res['cpus']} CPUs"]
+
+    def ratio(r: dict, base: str) -> str:
+        b = by.get(base)
+        if not b or b["error"] or not r["gbps"] or not b["gbps"]:
+            return "-"
+        return f"{r['gbps'] / b['gbps']:.2f}x"
+
+    for kind, bases, title in (("save", ("device", "torch"), "Save (durable)"),
+                               ("load", ("load_torch",), "Load (cold page cache)")):
+        sel = [r for r in rows if r["kind"] == kind]
+        if not sel:
+            continue
+        heads = ["", "GB/s", "s"] + [f"vs {b}" for b in bases] + ["peak RSS +"]
+        table = []
+        for r in sel:
+            if r["error"]:
+                table.append([r["label"], "failed", r["error"][:60]] + [""] * (len(heads) - 3))
+                continue
+            table.append([r["label"], f"{r['gbps']:.2f}", f"{r['median_seconds']:.2f}"]
+                         + [ratio(r, b) for b in bases] + [f"{r['peak_rss_added'] / MiB:.0f} MiB"])
+        widths = [max(len(str(x[i])) for x in [heads] + table) for i in range(len(heads))]
+        lines.append("")
+        lines.append(title)
+        lines.append("  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(heads, widths))))
+        for t in table:
+            lines.append("  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w)
+                                   for i, (x, w) in enumerate(zip(t, widths))))
+    fp = by.get("fastpersist")
+    if fp and fp.get("extra"):
+        e = fp["extra"]
+        lines.append("")
+        lines.append(f"fp_core.save split (median run): backend {e.get('backend')}, serialize "
+                     f"{e.get('serialize_seconds', 0):.3f} s, write {e.get('write_seconds', 0):.3f} s "
+                     f"(copy+crc {e.get('copy_seconds', 0):.3f} s summed over copy threads), "
+                     f"sync {e.get('sync_seconds', 0):.3f} s, total {e.get('seconds', 0):.3f} s")
+    if res["targets"]:
+        lines.append("")
+        lines.append("Targets")
+        for t in res["targets"]:
+            lines.append(f"  [{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']}")
+    return "\n".join(lines)
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["rows"] if not r["error"]]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    colors = ["#d62728" if r["key"] in ("fastpersist", "load_fastpersist", "load_fastpersist_verify")
+              else "#7f7f7f" if r["key"] in ("device", "load_device") else "#1f77b4" for r in rows]
+    y = list(range(len(rows)))[::-1]
+    ax.barh(y, [r["gbps"] for r in rows], color=colors)
+    ax.set_yticks(y, [("save: " if r["kind"] == "save" else "load: ") + r["label"] for r in rows], fontsize=8)
+    for yi, r in zip(y, rows):
+        ax.text(r["gbps"], yi, f" {r['gbps']:.2f}", va="center", fontsize=8)
+    ax.set_xlabel("GB/s (tensor bytes / wall time, durable saves, cold loads)")
+    ax.set_title(f"FastPersist bench: {fmt_bytes(res['size_bytes'])} checkpoint, {res['cpus']} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dir", default="./bench-out", help="where benchmark files go (default ./bench-out); "
+                        "use the disk you checkpoint to, not tmpfs")
+    parser.add_argument("--size", type=parse_size, default=parse_size(DEFAULT_SIZE),
+                        help=f"checkpoint size, e.g. 512MiB, 4GiB (default {DEFAULT_SIZE})")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per row; the median is reported (default 3)")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+    parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart of GB/s")
+    parser.add_argument("--only", metavar="ROWS", help=f"comma list of rows: {','.join(ALL_ROWS)}")
+    parser.add_argument("--async", dest="run_async", action="store_true",
+                        help="run the async training benchmark (step time, blocked time) instead")
+    g = parser.add_argument_group("engine options (fp_core.save and the device row)")
+    g.add_argument("--backend", choices=("auto", "io_uring", "threadpool", "buffered"))
+    g.add_argument("--queue-depth", dest="queue_depth", type=int)
+    g.add_argument("--chunk-bytes", dest="chunk_bytes", type=parse_size)
+    g.add_argument("--copy-threads", dest="copy_threads", type=int)
+    g.add_argument("--io-threads", dest="io_threads", type=int)
+    try:
+        from .bench_async import add_async_arguments
+        add_async_arguments(parser)
+    except ImportError:
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+    if getattr(args, "run_async", False):
+        from .bench_async import run_async
+        return run_async(args, log)
+    res = run_sync(args, log)
+    if args.plot:
+        plot(res, args.plot)
+        log(f"plot written to {args.plot}")
+    if args.json:
+        print(json.dumps(res, indent=2, default=str))
+    else:
+        print(format_report(res))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fastpersist bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

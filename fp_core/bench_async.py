@@ -1,0 +1,388 @@
+"""``fastpersist bench --async``: what checkpointing every iteration costs a training loop.
+
+A CPU MLP with Adam (default ~94M float32 parameters: a ~1.1 GB checkpoint of weights +
+Adam state) trains for ``--iters`` measured iterations after ``--warmup``, saving a
+checkpoint after every optimizer step, with each of these side by side in one process:
+
+* ``none``       no checkpoint (the baseline step time)
+* ``torch``      synchronous torch.save + fsync
+* ``lightning``  Lightning's AsyncCheckpointIO(TorchCheckpointIO): clone every tensor on
+                 the training thread, torch.save in a ThreadPoolExecutor(1)
+* ``dcp``        torch.distributed.checkpoint.async_save (1-process gloo group), waiting
+                 for the previous save's future before starting the next
+* ``overlap`` / ``snapshot``  fp_core.AsyncCheckpointer with that policy (fence through
+                 the optimizer step pre-hook)
+
+Blocked time per checkpoint = time the training thread spends in the save call plus any
+wait it causes later (the fence before the next step, a wait for the previous save).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+MODES = ("none", "torch", "lightning", "dcp", "overlap", "snapshot")
+LABELS = {
+    "none": "no checkpoint",
+    "torch": "torch.save + fsync (sync)",
+    "lightning": "Lightning AsyncCheckpointIO (clone + thread)",
+    "dcp": "torch.distributed.checkpoint.async_save",
+    "overlap": "fp_core AsyncCheckpointer(policy='overlap')",
+    "snapshot": "fp_core AsyncCheckpointer(policy='snapshot')",
+}
+
+
+def add_async_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("async benchmark (--async)")
+    g.add_argument("--modes", default=",".join(MODES), help=f"comma list of {','.join(MODES)}")
+    g.add_argument("--iters", type=int, default=8, help="measured iterations per mode (default 8)")
+    g.add_argument("--warmup", type=int, default=2, help="warm-up iterations per mode (default 2)")
+    g.add_argument("--width", type=int, default=3072, help="MLP width (default 3072)")
+    g.add_argument("--layers", type=int, default=10, help="MLP layers (default 10: ~94M params, 1.1 GB ckpt)")
+    g.add_argument("--batch", type=int, help="batch size (default: chosen so one step takes --compute-ms)")
+    g.add_argument("--compute-ms", type=float, default=2000.0,
+                   help="target compute per iteration, forward+backward+step (default 2000)")
+    g.add_argument("--torch-threads", type=int, help="torch.set_num_threads for training (default: torch's)")
+
+
+class Trainer:
+    def __init__(self, width: int, layers: int, batch: int, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        mods: list[nn.Module] = []
+        for _ in range(layers):
+            mods += [nn.Linear(width, width), nn.ReLU()]
+        self.model = nn.Sequential(*mods)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-5)
+        self.set_batch(batch)
+
+    def set_batch(self, batch: int) -> None:
+        width = self.model[0].in_features
+        self.x = torch.randn(batch, width)
+        self.y = torch.randn(batch, width)
+
+    def step(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(self.model(self.x), self.y)
+        loss.backward()
+        self.opt.step()
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
+
+
+def ckpt_bytes(sd: Any) -> int:
+    if isinstance(sd, torch.Tensor):
+        return sd.untyped_storage().nbytes()
+    if isinstance(sd, dict):
+        return sum(ckpt_bytes(v) for v in sd.values())
+    if isinstance(sd, (list, tuple)):
+        return sum(ckpt_bytes(v) for v in sd)
+    return 0
+
+
+def calibrate_batch(tr: Trainer, target_ms: float) -> int:
+    """Batch size whose step takes about target_ms (a linear fit of two batch sizes)."""
+    pts = []
+    for b in (8, 64):
+        tr.set_batch(b)
+        tr.step()
+        ts = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            tr.step()
+            ts.append(time.perf_counter() - t0)
+        pts.append((b, min(ts) * 1e3))
+    (b0, t0), (b1, t1) = pts
+    per = max((t1 - t0) / (b1 - b0), 1e-3)
+    return max(1, int(round(b0 + (target_ms - t0) / per)))
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Mode:
+    """One way of checkpointing: ``save`` after each step, ``before_step`` hooks, ``drain``."""
+
+    blocked: float = 0.0  # accumulated blocked seconds on the training thread
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.blocked = 0.0
+
+    def save(self, tr: Trainer) -> None:
+        pass
+
+    def drain(self) -> None:
+        pass
+
+
+class TorchSync(Mode):
+    def save(self, tr: Trainer) -> None:
+        t0 = time.perf_counter()
+        torch.save(tr.state(), self.path)
+        fsync_path(self.path)
+        self.blocked += time.perf_counter() - t0
+
+
+class LightningAsync(Mode):
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+        self.io = AsyncCheckpointIO(TorchCheckpointIO())
+
+    def save(self, tr: Trainer) -> None:
+        t0 = time.perf_counter()
+        self.io.save_checkpoint(tr.state(), self.path)
+        self.blocked += time.perf_counter() - t0
+
+    def drain(self) -> None:
+        self.io.teardown()
+
+
+class DcpAsync(Mode):
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        import torch.distributed as dist
+        self.dist = dist
+        self.owns_pg = False
+        if not dist.is_initialized():
+            store = tempfile.mktemp(prefix="fp-bench-store-", dir=os.path.dirname(path))
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+            self.owns_pg, self.store = True, store
+        self.future: Any = None
+
+    def save(self, tr: Trainer) -> None:
+        import torch.distributed.checkpoint as dcp
+        t0 = time.perf_counter()
+        if self.future is not None:
+            self.future.result()  # DCP's documented pattern: one save in flight
+        self.future = dcp.async_save(tr.state(), storage_writer=dcp.FileSystemWriter(self.path, sync_files=True))
+        self.blocked += time.perf_counter() - t0
+
+    def drain(self) -> None:
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+        if self.owns_pg:
+            self.dist.destroy_process_group()
+            try:
+                os.unlink(self.store)
+            except OSError:
+                pass
+
+
+class FastPersistAsync(Mode):
+    def __init__(self, path: str, policy: str, engine_options: dict[str, Any]) -> None:
+        super().__init__(path)
+        from .pipeline import AsyncCheckpointer
+        self.ckpt = AsyncCheckpointer(policy=policy, **engine_options)
+        inner = self.ckpt.fence
+
+        def timed_fence() -> None:  # the optimizer pre-hook calls self.fence()
+            t0 = time.perf_counter()
+            inner()
+            self.blocked += time.perf_counter() - t0
+        self.ckpt.fence = timed_fence  # type: ignore[method-assign]
+        self.stats: list[Any] = []
+
+    def save(self, tr: Trainer) -> None:
+        t0 = time.perf_counter()
+        h = self.ckpt.save(tr.state(), self.path)
+        self.blocked += time.perf_counter() - t0
+        self.handles = getattr(self, "handles", []) + [h]
+
+    def drain(self) -> None:
+        self.ckpt.close()
+        self.stats = [h.result() for h in getattr(self, "handles", [])]
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("backend", "queue_depth", "chunk_bytes", "copy_threads", "io_threads")
+            if getattr(args, k, None) is not None}
+
+
+def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
+             engine_options: dict[str, Any]) -> dict[str, Any]:
+    path = os.path.join(workdir, f"async-{mode_name}" + (".dcp" if mode_name == "dcp" else ".pt"))
+    mode: Mode
+    if mode_name == "none":
+        mode = Mode(path)
+    elif mode_name == "torch":
+        mode = TorchSync(path)
+    elif mode_name == "lightning":
+        mode = LightningAsync(path)
+    elif mode_name == "dcp":
+        mode = DcpAsync(path)
+    else:
+        mode = FastPersistAsync(path, mode_name, engine_options)
+    steps = []
+    blocked = []
+    for i in range(warmup + iters):
+        b0 = mode.blocked
+        t0 = time.perf_counter()
+        tr.step()
+        mode.save(tr)
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            steps.append(dt)
+            blocked.append(mode.blocked - b0)
+    t0 = time.perf_counter()
+    mode.drain()
+    drain = time.perf_counter() - t0
+    out = {"mode": mode_name, "label": LABELS[mode_name], "step_seconds": steps,
+           "median_step": statistics.median(steps), "mean_step": statistics.mean(steps),
+           "total_seconds": sum(steps), "blocked_per_ckpt": statistics.mean(blocked) if mode_name != "none" else 0.0,
+           "drain_seconds": drain}
+    if isinstance(mode, FastPersistAsync) and mode.stats:
+        st = mode.stats[-1]
+        out["fp_stats"] = {"seconds": st.seconds, "write_seconds": st.write_seconds, "policy": st.policy,
+                           "snapshot_seconds": st.extra.get("snapshot_seconds"), "backend": st.backend}
+    for p in (path,):
+        if os.path.isdir(p):
+            shutil.rmtree(p, ignore_errors=True)
+        elif os.path.exists(p):
+            os.unlink(p)
+    del mode
+    gc.collect()
+    return out
+
+
+def measure_writes(tr: Trainer, workdir: str, engine_options: dict[str, Any]) -> dict[str, float]:
+    """The write alone, on an idle machine: fp_core.save and torch.save + fsync (best of 2)."""
+    from .api import save
+    p = os.path.join(workdir, "async-write-probe.pt")
+    fp, ts = [], []
+    for _ in range(2):
+        fp.append(save(tr.state(), p, **engine_options).seconds)
+        os.unlink(p)
+        t0 = time.perf_counter()
+        torch.save(tr.state(), p)
+        fsync_path(p)
+        ts.append(time.perf_counter() - t0)
+        os.unlink(p)
+    return {"fastpersist_save": min(fp), "torch_save": min(ts)}
+
+
+def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: unknown {bad}; choose from {','.join(MODES)}")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    workdir = args.dir
+    os.makedirs(workdir, exist_ok=True)
+    eng = _engine_options(args)
+    tr = Trainer(args.width, args.layers, args.batch or 8)
+    batch = args.batch or calibrate_batch(tr, args.compute_ms)
+    tr.set_batch(batch)
+    tr.step()  # Adam state exists from here on
+    nbytes = ckpt_bytes(tr.state())
+    nparams = sum(p.numel() for p in tr.model.parameters())
+    log(f"MLP {args.layers}x{args.width}: {nparams / 1e6:.1f}M params, checkpoint {nbytes / 1e9:.2f} GB, "
+        f"batch {batch}, torch threads {torch.get_num_threads()}, engine options {eng or 'defaults'}")
+    writes = measure_writes(tr, workdir, eng)
+    log(f"write alone: fp_core.save {writes['fastpersist_save']:.2f} s, torch.save+fsync {writes['torch_save']:.2f} s")
+    results = []
+    for m in modes:
+        log(f"  {LABELS[m]} ...")
+        results.append(run_mode(m, tr, workdir, args.iters, args.warmup, eng))
+    base = next((r for r in results if r["mode"] == "none"), None)
+    sync = next((r for r in results if r["mode"] == "torch"), None)
+    for r in results:
+        r["slowdown"] = r["total_seconds"] / base["total_seconds"] - 1 if base else None
+        r["blocked_vs_torch_save"] = (r["blocked_per_ckpt"] / sync["blocked_per_ckpt"]
+                                      if sync and sync["blocked_per_ckpt"] else None)
+    res = {"checkpoint_bytes": nbytes, "params": nparams, "batch": batch, "iters": args.iters,
+           "warmup": args.warmup, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+           "engine_options": eng, "compute_seconds": base["median_step"] if base else None,
+           "write_alone_seconds": writes, "modes": results}
+    res["targets"] = async_targets(res)
+    if getattr(args, "plot", None):
+        plot_async(res, args.plot)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        print(format_async(res))
+    return 0
+
+
+def async_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for r in res["modes"]:
+        if r["mode"] in ("overlap", "snapshot") and r["slowdown"] is not None:
+            out.append({"target": f"{r['mode']}: slowdown <= 5%", "value": round(100 * r["slowdown"], 1),
+                        "pass": r["slowdown"] <= 0.05})
+        if r["mode"] in ("overlap", "snapshot") and r["blocked_vs_torch_save"] is not None:
+            out.append({"target": f"{r['mode']}: blocked <= 10% of torch.save's",
+                        "value": round(100 * r["blocked_vs_torch_save"], 1), "pass": r["blocked_vs_torch_save"] <= 0.10})
+    return out
+
+
+def format_async(res: dict[str, Any]) -> str:
+    w = res["write_alone_seconds"]
+    lines = [f"checkpoint {res['checkpoint_bytes'] / 1e9:.2f} GB ({res['params'] / 1e6:.1f}M params + Adam), "
+             f"batch {res['batch']}, {res['iters']} iterations after {res['warmup']} warm-up, "
+             f"torch threads {res['torch_threads']} of {res['cpus']} CPUs, engine {res['engine_options'] or 'defaults'}",
+             f"compute per iteration (no checkpoint): {res['compute_seconds']:.2f} s; write alone: fp_core.save "
+             f"{w['fastpersist_save']:.2f} s, torch.save+fsync {w['torch_save']:.2f} s", ""]
+    heads = ["", "step s (median)", "slowdown", "blocked/ckpt s", "vs torch.save", "drain at end s"]
+    table = []
+    for r in res["modes"]:
+        table.append([r["label"], f"{r['median_step']:.3f}",
+                      "-" if r["slowdown"] is None else f"{100 * r['slowdown']:+.1f}%",
+                      f"{r['blocked_per_ckpt']:.3f}",
+                      "-" if r["blocked_vs_torch_save"] is None or r["mode"] == "none"
+                      else f"{100 * r['blocked_vs_torch_save']:.1f}%",
+                      f"{r['drain_seconds']:.2f}"])
+    widths = [max(len(str(x[i])) for x in [heads] + table) for i in range(len(heads))]
+    for t in [heads] + table:
+        lines.append("  ".join(str(x).ljust(wd) if i == 0 else str(x).rjust(wd) for i, (x, wd) in enumerate(zip(t, widths))))
+    for r in res["modes"]:
+        if r.get("fp_stats"):
+            s = r["fp_stats"]
+            snap = f", snapshot {s['snapshot_seconds']:.2f} s" if s.get("snapshot_seconds") else ""
+            lines.append(f"  {r['mode']}: last save {s['seconds']:.2f} s in the background (write "
+                         f"{s['write_seconds']:.2f} s{snap}, policy {s['policy']})")
+    if res["targets"]:
+        lines.append("")
+        lines.append("Targets")
+        for t in res["targets"]:
+            lines.append(f"  [{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']}%")
+    return "\n".join(lines)
+
+
+def plot_async(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["modes"]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5))
+    y = list(range(len(rows)))[::-1]
+    ax.barh(y, [r["median_step"] for r in rows], color="#1f77b4", label="step time")
+    ax.barh(y, [r["blocked_per_ckpt"] for r in rows], color="#d62728", label="blocked per checkpoint")
+    ax.set_yticks(y, [r["label"] for r in rows], fontsize=8)
+    ax.set_xlabel("seconds per iteration")
+    ax.legend(fontsize=8)
+    ax.set_title(f"Checkpoint every iteration: {res['checkpoint_bytes'] / 1e9:.2f} GB, {res['cpus']} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
