@@ -165,8 +165,9 @@ def build(obj: Any, alignment: int = 4096) -> FilePlan:
     sparse, storages_by_key = capture(obj, alignment)
     names = _tensor_names(obj)
 
-    with zipfile.ZipFile(sparse) as z:
-        infos = z.infolist()
+    # One pass of zipfile over the skeleton: read torch's records, then append ours.
+    z = zipfile.ZipFile(sparse, mode="a")
+    infos = list(z.infolist())
     prefix = infos[0].filename.split("/", 1)[0]
     records: list[RecordInfo] = []
     storages: list[StorageExtent] = []
@@ -193,12 +194,11 @@ def build(obj: Any, alignment: int = 4096) -> FilePlan:
     reserved = manifest.reserved_size()
     manifest_name = f"{prefix}/{RECORD_SUFFIX}"
     zinfo = zipfile.ZipInfo(manifest_name, date_time=(1980, 1, 1, 0, 0, 0))
-    with zipfile.ZipFile(sparse, mode="a") as z:
+    with z:
         z.writestr(zinfo, b" " * reserved)
         z.comment = TAIL_COMMENT
-    with zipfile.ZipFile(sparse) as z:
         minfo = z.getinfo(manifest_name)
-        start_dir = z.start_dir
+        start_dir = z.start_dir  # where the new central directory goes, after our record
     manifest.file_size = sparse.size
     plan = FilePlan(
         file_size=sparse.size,

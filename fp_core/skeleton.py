@@ -171,7 +171,7 @@ class _StorageRecorder:
 
                 def persistent_id(obj: Any) -> Any:
                     pid = torch_persistent_id(self, obj)
-                    if isinstance(pid, tuple) and pid and pid[0] == "storage":
+                    if pid is not None and pid[0] == "storage":  # called for every object: keep it lean
                         recorder._record(pid[2], obj)
                     return pid
 
