@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 import uuid
 from pathlib import Path
 
@@ -60,9 +61,14 @@ def check_target(final: str) -> str:
     parent = os.path.dirname(path)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
-    if not os.path.exists(parent):
-        raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", parent)
-    if not os.path.isdir(parent):
+    try:
+        st = os.stat(parent)  # not os.path.exists: it says "missing" for an unsearchable parent
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", parent) from None
+    except PermissionError:
+        raise PermissionError(errno.EACCES, "checkpoint directory cannot be reached (permission denied)",
+                              parent) from None
+    if not stat.S_ISDIR(st.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, "checkpoint directory is not a directory", parent)
     if os.statvfs(parent).f_flag & os.ST_RDONLY:
         raise OSError(errno.EROFS, "checkpoint directory is on a read-only file system", parent)

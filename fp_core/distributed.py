@@ -114,15 +114,23 @@ def _skeleton_from(segments: list[tuple[int, bytes]], size: int) -> SparseFile:
     return sk
 
 
+def _collective(fn: Any, what: str) -> Any:
+    try:
+        return fn()
+    except RuntimeError as e:  # gloo: connection reset by a dead peer, timeout...
+        raise CollectiveSaveError(f"a peer rank died or timed out during a collective save ({what}): {e}") from e
+
+
 def _all_gather(obj: Any, group: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _collective(lambda: dist.all_gather_object(out, obj, group=group), "all_gather")
     return out
 
 
 def _broadcast(obj: Any, group: Any) -> Any:
     box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    _collective(lambda: dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group),
+                "broadcast")
     return box[0]
 
 

@@ -1358,7 +1358,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
     }
     char reason[512] = "";
     int bk = BK_BUFFERED;
-    int e = 0, ring_fail = 0;
+    int e = 0, ring_fail = 0, odirect_fail = 0;
     if (want == 3) {
         bk = BK_BUFFERED;
     } else {
@@ -1371,6 +1371,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
                          strerror(e), errname(e));
                 e = 0;
             } else {
+                odirect_fail = 1;
                 goto fail;
             }
         } else {
@@ -1417,9 +1418,13 @@ fail:
     if (create)
         unlink(cpath); /* we created it with O_EXCL */
     Py_DECREF(pbytes);
-    if (ring_fail) {
+    if (ring_fail || odirect_fail) {
         char msg[256];
-        snprintf(msg, sizeof msg, "io_uring unavailable: io_uring_setup failed: %s (%s)", strerror(e), errname(e));
+        if (odirect_fail)
+            snprintf(msg, sizeof msg, "O_DIRECT refused by this file system: %s (%s); use backend='auto' or "
+                     "'buffered' here", strerror(e), errname(e));
+        else
+            snprintf(msg, sizeof msg, "io_uring unavailable: io_uring_setup failed: %s (%s)", strerror(e), errname(e));
         PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", e, msg, path);
         if (exc) {
             PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
