@@ -25,7 +25,7 @@ _HOST = socket.gethostname().replace(".", "_").replace("-", "_")
 
 def temp_path(final: str) -> str:
     d, base = os.path.split(os.path.abspath(final))
-    return os.path.join(d, f".{base}.{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    return os.path.join(d, f".{base}.{writer_tag()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
 
 
 def fsync_dir(directory: str) -> None:
@@ -77,14 +77,17 @@ def check_target(final: str) -> str:
     return path
 
 
-def _owner_alive(name: str) -> bool:
-    """Is the process that owns this temp name alive (on this host)?"""
+def writer_tag() -> str:
+    """``host-pid``: who is writing, as embedded in temp names, placeholders, staging dirs."""
+    return f"{_HOST}-{os.getpid()}"
+
+
+def tag_alive(tag: str) -> bool:
+    """Is the writer named by a ``host-pid-...`` tag alive? Unparsable tags count as dead."""
     try:
-        stem = name[: -len(TMP_SUFFIX)]
-        host_pid = stem.rsplit(".", 1)[1]
-        host, pid, _ = host_pid.rsplit("-", 2)
+        host, pid, _ = tag.rsplit("-", 2)
         pid_i = int(pid)
-    except (IndexError, ValueError):
+    except ValueError:
         return False
     if host != _HOST:
         return True  # another node's writer on a shared filesystem: not ours to judge
@@ -97,6 +100,14 @@ def _owner_alive(name: str) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _owner_alive(name: str) -> bool:
+    """Is the process that owns this temp name (``.<base>.<host>-<pid>-<hex>.fptmp``) alive?"""
+    try:
+        return tag_alive(name[: -len(TMP_SUFFIX)].rsplit(".", 1)[1])
+    except IndexError:
+        return False
 
 
 PLACEHOLDER_XATTR = "user.fastpersist.pending"
@@ -116,7 +127,7 @@ def claim(final: str) -> bool:
     except FileExistsError:
         return False
     try:
-        os.setxattr(fd, PLACEHOLDER_XATTR, f"{_HOST}-{os.getpid()}-0".encode())
+        os.setxattr(fd, PLACEHOLDER_XATTR, f"{writer_tag()}-0".encode())
     except OSError:
         os.close(fd)
         os.unlink(final)
@@ -158,7 +169,7 @@ def _stale_placeholders(directory: str) -> list[str]:
         except OSError:
             continue
         owner = placeholder_owner(e.path)
-        if owner is not None and not _owner_alive(f".x.{owner}{TMP_SUFFIX}"):
+        if owner is not None and not tag_alive(owner):
             out.append(e.path)
     return out
 

@@ -61,7 +61,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -69,12 +68,14 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+from . import commit
+
 log = logging.getLogger("fastpersist")
 
 STAGING_ENV = "FASTPERSIST_STAGING_DIR"
 BUDGET_ENV = "FASTPERSIST_STAGING_BUDGET"
 COMPLETE_MARKER = ".fastpersist-complete"
-TMP_SUFFIX = ".fptmp"
+TMP_SUFFIX = commit.TMP_SUFFIX
 _SIDECAR = "fastpersist-remote.json"
 _LOG_PROGRESS_BYTES = 256 << 20  # files at least this big log progress while they move
 
@@ -84,7 +85,6 @@ OBJECT_STORE_PROTOCOLS = frozenset({
 })
 
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
-_HOST = socket.gethostname().replace(".", "_").replace("-", "_")
 _lock = threading.Lock()
 _config: dict[str, Any] = {"staging_dir": None, "budget": None}
 _cleaned: set[str] = set()
@@ -144,7 +144,7 @@ def _join(parent: str, name: str) -> str:
 
 def _remote_temp(fs: Any, rpath: str) -> str:
     parent, base = fs._parent(rpath), rpath.rstrip("/").rsplit("/", 1)[-1]
-    return _join(parent, f".{base}.{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+    return _join(parent, f".{base}.{commit.writer_tag()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
 
 
 def _url(fs: Any, rpath: str) -> str:
@@ -193,20 +193,7 @@ def staging_budget() -> int | None:
 
 
 def _slot_alive(name: str) -> bool:
-    try:
-        host, pid, _ = name.rsplit("-", 2)
-        pid_i = int(pid)
-    except ValueError:
-        return False
-    if host != _HOST or pid_i == os.getpid():
-        return True
-    try:
-        os.kill(pid_i, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return commit.tag_alive(name)
 
 
 def clean_staging(directory: str | None = None) -> list[str]:
@@ -228,7 +215,7 @@ class _Slot:
     """A private staging directory for one save or download; ``close`` removes it."""
 
     def __init__(self, basename: str) -> None:
-        self.dir = os.path.join(staging_dir(), "pending", f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        self.dir = os.path.join(staging_dir(), "pending", f"{commit.writer_tag()}-{uuid.uuid4().hex[:12]}")
         os.makedirs(self.dir)
         self.path = os.path.join(self.dir, basename or "checkpoint")
 
@@ -668,7 +655,7 @@ def download_dir(url: str, local_dir: str | os.PathLike | None = None, *,
     files = json.loads(marker)["files"]
     with contextlib.suppress(OSError):
         _make_room(sum(files.values()))
-    tmp = local_dir.rstrip("/") + f".{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+    tmp = local_dir.rstrip("/") + f".{commit.writer_tag()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
     os.makedirs(tmp)
     try:
         t0 = time.perf_counter()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fp_core
-from fp_core import remote
+from fp_core import commit, remote
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 from conftest import assert_identical  # noqa: E402
@@ -402,9 +402,11 @@ def test_staging_dir_from_env(tmp_path, monkeypatch, mem):
 
 def test_stale_staging_slots_are_cleaned(tmp_path):
     d = str(tmp_path / "st")
-    os.makedirs(os.path.join(d, "pending", f"{remote._HOST}-999999999-abc"))
-    open(os.path.join(d, "pending", f"{remote._HOST}-999999999-abc", "x.pt"), "w").close()
-    assert remote.clean_staging(d) == [os.path.join(d, "pending", f"{remote._HOST}-999999999-abc")]
+    host = commit.writer_tag().rsplit("-", 1)[0]
+    dead = os.path.join(d, "pending", f"{host}-999999999-abc")
+    os.makedirs(dead)
+    open(os.path.join(dead, "x.pt"), "w").close()
+    assert remote.clean_staging(d) == [dead]
 
 
 # ---------------------------------------------------------------- directories
