@@ -80,13 +80,42 @@ one warning.
 Errors: ``on_error="raise"`` (default) re-raises a failed checkpoint in the training
 loop (at the save itself, or at the next fence / drain for background failures);
 ``"warn"`` logs it, discards the incomplete checkpoint and keeps training.
+
+Remote storage (``remote_dir``)
+-------------------------------
+The Trainer itself only writes local directories, so ``output_dir`` stays local and is
+the fast tier; ``FastPersistCallback(remote_dir="s3://bucket/run", storage_options={...},
+keep_local=False)`` adds a remote copy (any fsspec URL, see :mod:`fp_core.remote`):
+
+* after each local commit, a job on the same background worker uploads
+  ``checkpoint-N`` to ``{remote_dir}/checkpoint-N`` with ``fp_core.remote.upload_dir``:
+  the files first, the ``.fastpersist-complete`` marker last, so a remote checkpoint
+  directory is complete (marker present) or ignored (a failed or interrupted upload;
+  its partial files are removed, best effort). Only the ``args.should_save`` rank uploads.
+* remote rotation follows ``save_total_limit`` as the Trainer's local rotation does
+  (oldest steps first; the newest and ``best_model_checkpoint`` are kept), among the
+  *complete* remote checkpoints (``fp_core.remote.list_complete``); a directory is
+  removed marker first.
+* ``keep_local=False`` (default): once a checkpoint is uploaded its local copy is removed
+  (except the current ``best_model_checkpoint``, which ``load_best_model_at_end`` reads);
+  a checkpoint whose upload failed stays on local disk. ``keep_local=True``: local
+  checkpoints are kept and rotated exactly as without ``remote_dir``.
+* an upload failure is a background error like any other (``on_error`` raise / warn);
+  ``cb.wait()`` / the end of ``train()`` also wait for the uploads.
+* the upload runs on the checkpointer's worker, so a checkpoint started while the
+  previous one is still uploading waits for it (``max_in_flight`` counts checkpoints until
+  they are uploaded): the upload overlaps training up to the next save.
+* resume: ``trainer.train(resume_from_checkpoint=download_checkpoint(remote_dir, ...))``;
+  :func:`download_checkpoint` fetches the newest *complete* remote checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -101,12 +130,14 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
 
+from fp_core import remote as fp_remote
 from fp_core.commit import fsync_dir
 from fp_core.pipeline import AsyncCheckpointer
 
 log = logging.getLogger("fastpersist.hf")
 
-__all__ = ["FastPersistCallback", "STAGING_PREFIX", "intercept_safetensors_writes"]
+__all__ = ["FastPersistCallback", "STAGING_PREFIX", "intercept_safetensors_writes", "download_checkpoint",
+           "remote_checkpoints"]
 
 STAGING_PREFIX = ".fastpersist-staging-"
 _REPLACED_PREFIX = ".fastpersist-replaced-"
@@ -218,8 +249,17 @@ class CheckpointRecord:
     bytes: int = 0
     ok: bool | None = None  # None while pending
     error: str | None = None
+    remote: str | None = None  # the remote copy's URL (with remote_dir)
+    uploaded: bool | None = None  # None: no upload (yet); False: the upload failed or was skipped
+    upload_seconds: float | None = None
     handles: list = field(default_factory=list, repr=False)
     commit: Any = field(default=None, repr=False)
+    upload: Any = field(default=None, repr=False)
+
+    @property
+    def last_job(self) -> Any:
+        """The job after which this checkpoint is finished (its upload, else its commit)."""
+        return self.upload if self.upload is not None else self.commit
 
 
 class FastPersistCallback(TrainerCallback):
@@ -233,11 +273,18 @@ class FastPersistCallback(TrainerCallback):
         on_error: "raise" (default) or "warn".
         fence_on_step_begin: True / False / "auto" (when the model has persistent
             buffers too big for the core's copy-at-save-time).
+        remote_dir: an fsspec URL (``s3://bucket/run``): upload every committed
+            checkpoint there, rotated like the local ones (see the module doc).
+        storage_options: fsspec options (endpoint, credentials) for ``remote_dir``;
+            default: fsspec's own configuration.
+        keep_local: with ``remote_dir``, keep the local copies after upload (default
+            False: removed once uploaded, except the best model checkpoint).
         **engine_options: fp_core engine options (backend, queue_depth, ...).
     """
 
     def __init__(self, trainer: Trainer | None = None, *, policy: str = "auto", max_in_flight: int = 1,
                  on_error: str = "raise", fence_on_step_begin: bool | str = "auto",
+                 remote_dir: str | None = None, storage_options: dict | None = None, keep_local: bool = False,
                  **engine_options: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
@@ -249,6 +296,16 @@ class FastPersistCallback(TrainerCallback):
         self.max_in_flight = max_in_flight
         self.on_error = on_error
         self.fence_on_step_begin = fence_on_step_begin
+        if remote_dir is not None:
+            is_remote, remote_dir = fp_remote.split(os.fspath(remote_dir))
+            if not is_remote:
+                raise ValueError(f"remote_dir must be a remote fsspec URL (s3://..., gs://...), not {remote_dir!r}; "
+                                 "local checkpoints go to TrainingArguments.output_dir")
+            remote_dir = remote_dir.rstrip("/")
+        self.remote_dir = remote_dir
+        self.storage_options = storage_options
+        self.keep_local = keep_local
+        self._uploaded_local: list[str] = []  # local copies uploaded, to drop when keep_local=False
         self.engine_options = engine_options
         self.trainer: Trainer | None = None
         self.records: list[CheckpointRecord] = []
@@ -275,8 +332,9 @@ class FastPersistCallback(TrainerCallback):
         self.trainer = trainer
         self.fallback_reason = _fallback_reason(trainer)
         if self.fallback_reason is not None:
+            extra = f" Checkpoints are NOT uploaded to {self.remote_dir}." if self.remote_dir else ""
             warnings.warn(f"FastPersistCallback: {self.fallback_reason}; using the Trainer's stock "
-                          "(synchronous) checkpoint save.", stacklevel=2)
+                          f"(synchronous) checkpoint save.{extra}", stacklevel=2)
             self._installed_on = trainer
             return self
         trainer._save_checkpoint = self._save_checkpoint  # instance attribute shadows the method
@@ -338,7 +396,7 @@ class FastPersistCallback(TrainerCallback):
         """Account for committed / failed checkpoints (main thread)."""
         still = []
         for rec in self._pending:
-            if rec.commit is None or not rec.commit.done():
+            if rec.last_job is None or not rec.last_job.done():
                 still.append(rec)
                 continue
             err = rec.commit.exception()
@@ -347,6 +405,11 @@ class FastPersistCallback(TrainerCallback):
             elif err is not None:
                 rec.ok, rec.error = False, f"{type(err).__name__}: {err}"
                 self._scheduled.discard(rec.path)
+            if rec.upload is not None and err is None:
+                uerr = rec.upload.exception()
+                if uerr is not None:
+                    rec.uploaded = False
+                    rec.error = f"upload to {rec.remote}: {type(uerr).__name__}: {uerr}"
         self._pending = still
 
     def _call(self, fn: Any, what: str) -> float:
@@ -461,7 +524,7 @@ class FastPersistCallback(TrainerCallback):
         # Bound checkpoints in flight; also never stage the same step twice at once.
         self._reap()
         while len(self._pending) >= self.max_in_flight:
-            self._call(lambda: self._pending[0].commit.exception(), "checkpoint write")
+            self._call(lambda: self._pending[0].last_job.exception(), "checkpoint write")
             self._reap()
 
         checkpoint_folder = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -542,6 +605,12 @@ class FastPersistCallback(TrainerCallback):
         # already started have finished, and keeps the ranks' agreement steps paired.
         try:
             rec.commit = self.checkpointer.enqueue(commit, after=[])
+            if self.remote_dir is not None and should_save and error is None:
+                # 6. upload after the local commit (same FIFO worker), then rotate remotely
+                rec.remote = f"{self.remote_dir}/{checkpoint_folder}"
+                upload = functools.partial(self._upload, rec, best, save_total_limit)
+                upload.__name__ = f"upload {checkpoint_folder} to {rec.remote}"  # type: ignore[attr-defined]
+                rec.upload = self.checkpointer.enqueue(upload, after=[rec.commit])
         except BaseException as e:  # noqa: BLE001
             error = error or e
         if error is not None and rec.commit is None and should_save:
@@ -612,6 +681,47 @@ class FastPersistCallback(TrainerCallback):
             raise RuntimeError(f"checkpoint {rec.path} failed on another rank; not committed")
         return ok
 
+    def _upload(self, rec: CheckpointRecord, best: str | None, save_total_limit: int | None) -> bool:
+        """Background worker, after ``rec``'s commit: upload checkpoint-N, rotate remotely,
+        drop local copies (``keep_local=False``). Raises on failure (a background error)."""
+        if not rec.ok:  # not committed (the failure is reported through the commit / writes)
+            return False
+        t0 = time.perf_counter()
+        try:
+            fp_remote.upload_dir(rec.path, rec.remote, storage_options=self.storage_options)
+        except BaseException:
+            rec.uploaded = False
+            raise
+        rec.uploaded = True
+        rec.upload_seconds = time.perf_counter() - t0
+        self._rotate_remote(os.path.basename(rec.path), best, save_total_limit)
+        if not self.keep_local:
+            self._uploaded_local.append(rec.path)
+            keep = [p for p in self._uploaded_local if best is not None and os.path.abspath(p) == os.path.abspath(best)]
+            for p in self._uploaded_local:
+                if p not in keep:
+                    shutil.rmtree(p, ignore_errors=True)
+            self._uploaded_local = keep
+        return True
+
+    def _rotate_remote(self, newest: str, best: str | None, save_total_limit: int | None) -> None:
+        """``rotate_checkpoints`` for ``remote_dir``: keep ``save_total_limit`` complete remote
+        checkpoints, oldest steps removed first, never ``newest`` or the best one."""
+        if save_total_limit is None or save_total_limit <= 0:
+            return
+        ckpts = remote_checkpoints(self.remote_dir, storage_options=self.storage_options)
+        if len(ckpts) <= save_total_limit:
+            return
+        protected = {newest} | ({os.path.basename(os.path.normpath(best))} if best else set())
+        num_to_keep = max(save_total_limit, len(protected))
+        remaining = len(ckpts)
+        for url in ckpts:
+            if remaining <= num_to_keep:
+                break
+            if url.rstrip("/").rsplit("/", 1)[-1] not in protected:
+                fp_remote.remove(url, recursive=True, storage_options=self.storage_options)
+                remaining -= 1
+
     @staticmethod
     def _publish(staging: str, final: str, run_dir: str) -> None:
         _fsync_dir(staging)
@@ -625,3 +735,38 @@ class FastPersistCallback(TrainerCallback):
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
 
+
+
+# ---------------------------------------------------------------------------------------
+# Remote checkpoints
+# ---------------------------------------------------------------------------------------
+def _step_of(url: str) -> int | None:
+    m = re.fullmatch(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)", url.rstrip("/").rsplit("/", 1)[-1])
+    return int(m.group(1)) if m else None
+
+
+def remote_checkpoints(remote_dir: str, *, storage_options: dict | None = None) -> list[str]:
+    """URLs of the *complete* ``checkpoint-N`` directories under ``remote_dir``, oldest step
+    first (incomplete ones -- an upload in progress, failed or being removed -- are left out)."""
+    urls = fp_remote.list_complete(remote_dir, f"{PREFIX_CHECKPOINT_DIR}-", storage_options=storage_options)
+    return [u for _, u in sorted((_step_of(u), u) for u in urls if _step_of(u) is not None)]
+
+
+def download_checkpoint(remote_dir: str, *, storage_options: dict | None = None,
+                        local_dir: str | os.PathLike | None = None, missing_ok: bool = False) -> str | None:
+    """Download the newest complete ``checkpoint-N`` under ``remote_dir``; return its local path,
+    for ``trainer.train(resume_from_checkpoint=...)``.
+
+    ``local_dir``: the directory to put ``checkpoint-N`` in (``local_dir/checkpoint-N`` is
+    replaced); default: FastPersist's local staging cache, where an unchanged checkpoint is
+    reused without a second download. No complete checkpoint: ``FileNotFoundError``, or
+    ``None`` with ``missing_ok=True`` (a first run starts from scratch).
+    """
+    ckpts = remote_checkpoints(remote_dir, storage_options=storage_options)
+    if not ckpts:
+        if missing_ok:
+            return None
+        raise FileNotFoundError(f"no complete {PREFIX_CHECKPOINT_DIR}-N directory under {remote_dir}")
+    url = ckpts[-1]
+    dest = None if local_dir is None else os.path.join(os.fspath(local_dir), url.rstrip("/").rsplit("/", 1)[-1])
+    return fp_remote.download_dir(url, dest, storage_options=storage_options)

@@ -5,6 +5,12 @@ Usage (``lightning`` package)::
     from fp_integrations.lightning import FastPersistIO, FastPersistCallback
     trainer = Trainer(plugins=[FastPersistIO()], callbacks=[FastPersistCallback(log_stats=True)])
 
+    # remote checkpoints (see "Remote storage" below)
+    from fp_integrations.lightning import FastPersistModelCheckpoint
+    mc = FastPersistModelCheckpoint(dirpath="s3://bucket/run/ckpts", save_last=True)
+    trainer = Trainer(plugins=[FastPersistIO()], callbacks=[mc])
+    trainer.fit(model, ckpt_path="last")
+
 Usage (``pytorch_lightning`` package; its ``CheckpointIO``/``Callback`` are different
 classes, so it gets its own)::
 
@@ -44,8 +50,45 @@ What the plugin does
 * Errors in the background are raised at the next plugin call, at the next optimizer
   step, or at ``teardown()`` (never masking an exception already propagating), so
   ``fit()`` fails; ``on_error="warn"`` turns them into warnings and training continues.
-* Non-local paths (``s3://``, ``memory://``...) go through Lightning's stock
-  ``TorchCheckpointIO`` synchronously.
+
+Remote storage (``s3://``, ``gs://``, ``memory://``... any fsspec URL)
+--------------------------------------------------------------------
+Remote paths go through the core's remote tier (:mod:`fp_core.remote`), not the stock
+``TorchCheckpointIO``: the checkpoint is written with the native engine into a private
+local staging directory, committed there, then uploaded on the background worker
+(object stores: one atomic PUT / completed multipart upload, so the remote object is
+complete or absent). ``FastPersistIO(storage_options={...}, keep_local=False)``: the
+fsspec options (endpoint, credentials) for every remote call of the plugin, and whether
+the committed file stays in the local cache so a ``load_checkpoint`` of it skips the
+download. The staging slot is removed when the upload ends, on success and on failure.
+
+* ``save_checkpoint``: asynchronous as for local paths (blocking in the same cases).
+  No directory is created and *no placeholder* is published for a remote path (an empty
+  object would look complete), so until its upload finishes a pending checkpoint is not
+  visible to ``ModelCheckpoint``'s own ``fs.exists`` calls. That matters only for its
+  ``-v1`` version counter with a *fixed* ``filename`` (or a second run writing
+  ``last.ckpt`` into a directory whose last save is still uploading); use
+  :class:`FastPersistModelCheckpoint`, which also counts the plugin's pending saves.
+* ``load_checkpoint``: waits for a pending save of that URL, then downloads it into
+  staging (or uses the ``keep_local`` cache) and loads it with the native loader
+  (``verify=True`` checks every byte). A missing object raises ``FileNotFoundError``.
+* ``remove_checkpoint``: ``fp_core.remote.remove`` (recursive, as stock), run on the
+  background worker after every pending save, skipped when one of them failed.
+* Upload errors (store unreachable, access denied...) are background errors like any
+  other: raised at the next plugin call / optimizer step / ``teardown`` (``on_error="warn"``:
+  a ``FastPersistWarning``), and nothing complete-looking is left for the failed save.
+* ``ModelCheckpoint`` makes its own fsspec calls on ``dirpath`` (``exists``, ``ls``):
+  configure the store for fsspec itself (``fsspec.config.conf["s3"] = {...}``, the
+  ``FSSPEC_S3`` environment variable, or the store's own environment such as
+  ``AWS_ENDPOINT_URL_S3``) so both reach the same endpoint; the plugin's
+  ``storage_options`` default to that configuration. With the store down, the version
+  counter's ``exists`` call fails ``fit`` with the store's own error before the plugin
+  is asked to save (``enable_version_counter=False`` leaves all store traffic to the plugin).
+* Lightning bug (seen in 2.6.6): ``fit(ckpt_path="last")`` with a remote ``dirpath`` silently starts
+  from scratch (``ModelCheckpoint._find_last_checkpoints`` returns the listed paths
+  without their ``s3://`` prefix, which then resolve to the local filesystem, where
+  nothing exists). :class:`FastPersistModelCheckpoint` returns full URLs, so
+  ``ckpt_path="last"`` resumes from the newest remote ``last*.ckpt``.
 
 Distributed: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
 only (DDP), so rank 0 writes alone. Letting all data-parallel ranks write disjoint byte
@@ -54,6 +97,7 @@ ranges needs a Strategy that calls the plugin on every rank; see ``_start_save``
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -72,6 +116,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import fp_core
 from fp_core import AsyncCheckpointError, CheckpointError
 from fp_core import commit as fp_commit
+from fp_core import remote as fp_remote
 
 log = logging.getLogger("fastpersist")
 
@@ -80,7 +125,7 @@ _SPAWN_TEMP_NAME = ".temp.ckpt"  # ddp_spawn hands the final weights back throug
 _ENGINE_OPTION_NAMES = frozenset(f.name for f in fields(fp_core.EngineOptions))
 _STORAGE_OPTION_KEYS = frozenset({"blocking"})
 _RUNTIME_ATTRS = ("_lock", "_ckpt", "_pending", "_committed", "_unlogged", "_hook", "_hook_finalizer",
-                  "_torn_down", "_remote", "save_call_seconds", "fence_seconds", "fence_count",
+                  "_torn_down", "save_call_seconds", "fence_seconds", "fence_count",
                   "fence_overlaps")
 
 
@@ -88,17 +133,15 @@ class FastPersistWarning(UserWarning):
     """A background checkpoint failed and ``on_error="warn"`` let training continue."""
 
 
-def _is_local(path: Any) -> bool:
-    s = os.fspath(path) if not isinstance(path, str) else path
-    s = str(s)
-    return "://" not in s or s.startswith("file://")
+def _target(path: Any) -> tuple[bool, str]:
+    """``(True, url)`` for a remote fsspec URL, ``(False, absolute local path)`` otherwise
+    (``file://`` URLs are local). The second item is the key pending saves are kept under."""
+    is_remote, p = fp_remote.split(path)
+    return (True, p) if is_remote else (False, os.path.abspath(p))
 
 
 def _local_path(path: Any) -> str:
-    s = str(os.fspath(path))
-    if s.startswith("file://"):
-        s = s[len("file://"):]
-    return os.path.abspath(s)
+    return _target(path)[1]
 
 
 def _remove_path(path: str) -> None:
@@ -124,11 +167,10 @@ class _Pending:
 class _FastPersistIOImpl:
     """Namespace-independent implementation; mixed into each namespace's ``CheckpointIO``."""
 
-    _torch_io_cls: Any = None  # the namespace's TorchCheckpointIO, for non-local paths
-
     def __init__(self, *, async_save: bool = True, policy: str = "auto", max_in_flight: int = 1,
                  verify: bool = False, on_error: str = "raise", visible_pending: bool = True,
-                 on_commit: Any = None, keep_stats: int = 1000, **options: Any) -> None:
+                 on_commit: Any = None, keep_stats: int = 1000, storage_options: dict | None = None,
+                 keep_local: bool = False, **options: Any) -> None:
         """
         Args:
             async_save: write in the background (default). ``False``: every save is synchronous
@@ -142,6 +184,11 @@ class _FastPersistIOImpl:
             on_commit: optional ``fn(path, stats)`` run in the background after each save is
                 durable under its final name (must be picklable for ``ddp_spawn``).
             keep_stats: how many committed ``SaveStats`` to keep in ``self.stats``.
+            storage_options: fsspec options (endpoint, credentials...) for remote paths;
+                default: fsspec's own configuration. Not to be confused with the per-call
+                ``save_checkpoint(storage_options={"blocking": True})``.
+            keep_local: keep the committed file of a remote save in the local cache, so a
+                ``load_checkpoint`` of it skips the download (see :mod:`fp_core.remote`).
             **options: engine options (``backend``, ``queue_depth``, ``chunk_bytes``,
                 ``copy_threads``, ``io_threads``) and other ``AsyncCheckpointer`` options
                 (``snapshot_budget_bytes``, ``small_tensor_bytes``, ``when_busy``).
@@ -159,6 +206,10 @@ class _FastPersistIOImpl:
         self.visible_pending = visible_pending
         self.on_commit = on_commit
         self.keep_stats = keep_stats
+        if storage_options is not None and not isinstance(storage_options, dict):
+            raise TypeError(f"storage_options must be a dict of fsspec options, not {type(storage_options).__name__}")
+        self.storage_options = None if storage_options is None else dict(storage_options)
+        self.keep_local = bool(keep_local)
         self.options = dict(options)
         self.engine_options = {k: v for k, v in options.items() if k in _ENGINE_OPTION_NAMES}
         fp_core.EngineOptions(**self.engine_options)  # validate now, not at the first save
@@ -174,7 +225,6 @@ class _FastPersistIOImpl:
         self._hook: Any = None
         self._hook_finalizer: Any = None
         self._torn_down = False
-        self._remote: Any = None
         self.save_call_seconds: list[float] = []  # training-thread time inside each save_checkpoint
         self.fence_seconds = 0.0  # training-thread time spent waiting at fences
         self.fence_count = 0  # fences run (optimizer steps while a checkpointer exists)
@@ -197,20 +247,18 @@ class _FastPersistIOImpl:
         ``storage_options={"blocking": True}`` makes this save durable before returning.
         """
         blocking = self._parse_storage_options(storage_options)
-        if not _is_local(path):
-            self._remote_io().save_checkpoint(checkpoint, path)
-            return
         t0 = time.perf_counter()
-        path = _local_path(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        name = os.path.basename(path)
+        is_remote, path = _target(path)
+        if not is_remote:  # object stores have no directories; never an empty marker object
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        name = path.rstrip("/").rsplit("/", 1)[-1]
         self._install_hook()  # the next optimizer step marks training as running (see teardown)
         if not self.async_save or self._torn_down or _HPC_NAME.match(name) or name == _SPAWN_TEMP_NAME:
             blocking = True
         try:
             with self._lock:
                 self._sweep()
-                entry = self._start_save(checkpoint, path, blocking)
+                entry = self._start_save(checkpoint, path, blocking, is_remote)
             if blocking and entry is not None:
                 entry.handle.result()
         except Exception as e:
@@ -224,37 +272,43 @@ class _FastPersistIOImpl:
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint (waiting for a pending save of it first), like ``TorchCheckpointIO``."""
-        if not _is_local(path):
-            if map_location is None:
-                return self._remote_io().load_checkpoint(path, weights_only=weights_only)
-            return self._remote_io().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        p = _local_path(path)
+        """Load a checkpoint (waiting for a pending save of it first), like ``TorchCheckpointIO``.
+
+        A remote URL is downloaded into local staging (or found in the ``keep_local``
+        cache) and loaded with the native loader."""
+        is_remote, p = _target(path)
         self._wait_for(p)
+        if map_location is None:
+            map_location = "cpu"  # TorchCheckpointIO's default keeps storages on the CPU
+        if is_remote:
+            if not fp_remote.exists(p, storage_options=self.storage_options):
+                raise FileNotFoundError(f"Checkpoint file not found: {path}")
+            return fp_core.load(p, map_location=map_location, weights_only=weights_only, verify=self.verify,
+                                storage_options=self.storage_options, keep_local=self.keep_local)
         if not os.path.exists(p):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         if fp_commit.is_placeholder(p):
             raise CheckpointError(
                 f"checkpoint {path} is the placeholder of a FastPersist save that never finished (the writing "
                 "process was killed?); `fastpersist clean DIR`, or the next save into that directory, removes it")
-        if map_location is None:
-            map_location = "cpu"  # TorchCheckpointIO's default keeps storages on the CPU
         return fp_core.load(p, map_location=map_location, weights_only=weights_only, verify=self.verify)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` after every pending save (never under a write); silent if missing."""
-        if not _is_local(path):
-            self._remote_io().remove_checkpoint(path)
-            return
-        p = _local_path(path)
+        is_remote, p = _target(path)
+        if is_remote:
+            remove = functools.partial(fp_remote.remove, p, recursive=True, storage_options=self.storage_options)
+            remove.__name__ = f"remove {p}"  # type: ignore[attr-defined]  # names the job in errors
+        else:
+            remove = functools.partial(_remove_path, p)
         try:
             with self._lock:
                 self._sweep()
                 ckpt = self._ckpt
                 if ckpt is not None and ckpt.pending():
-                    ckpt.enqueue(_remove_path, p)  # errors surface at the next call, like a save's
+                    ckpt.enqueue(remove)  # errors surface at the next call, like a save's
                     return
-            _remove_path(p)
+            remove()
         except Exception as e:
             if not self._failed(e, f"removing checkpoint {path}"):
                 raise
@@ -348,11 +402,6 @@ class _FastPersistIOImpl:
                             f"{sorted(_STORAGE_OPTION_KEYS)}, got {storage_options!r}")
         return bool(storage_options.get("blocking", False))
 
-    def _remote_io(self) -> Any:
-        if self._remote is None:
-            self._remote = self._torch_io_cls()
-        return self._remote
-
     def _checkpointer(self) -> Any:
         if self._ckpt is None:
             rest = {k: v for k, v in self.options.items() if k not in _ENGINE_OPTION_NAMES}
@@ -363,29 +412,31 @@ class _FastPersistIOImpl:
         self._install_hook()
         return self._ckpt
 
-    def _start_save(self, checkpoint: Any, path: str, blocking: bool) -> _Pending | None:
+    def _start_save(self, checkpoint: Any, path: str, blocking: bool, is_remote: bool = False) -> _Pending | None:
         """Start one save; the single place a multi-writer partitioner would plug in.
 
         A future ``FastDDPStrategy`` calling the plugin on every DP rank would pass its
         rank/world here and have each rank write its byte range of one shared temp file.
         """
+        remote_kw = {"storage_options": self.storage_options, "keep_local": self.keep_local} if is_remote else {}
         if blocking and self._ckpt is None:
             # nothing in the background to order against: plain synchronous save, no thread
-            stats = fp_core.save(checkpoint, path, **self.engine_options)
+            stats = fp_core.save(checkpoint, path, **remote_kw, **self.engine_options)
             self._on_commit(path, stats)
             return None
         ckpt = self._checkpointer()
         placeholder = False
-        if self.visible_pending and not blocking and not os.path.lexists(path):
+        # no placeholder for a remote path: an empty object would look like a complete checkpoint
+        if self.visible_pending and not blocking and not is_remote and not os.path.lexists(path):
             placeholder = fp_commit.claim(path)
         try:
             try:
-                handle = ckpt.save(checkpoint, path, on_commit=self._on_commit)
+                handle = ckpt.save(checkpoint, path, on_commit=self._on_commit, **remote_kw)
             except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
                 if self.on_error != "warn":
                     raise
                 self._warn(e, "background checkpoint")
-                handle = ckpt.save(checkpoint, path, on_commit=self._on_commit)
+                handle = ckpt.save(checkpoint, path, on_commit=self._on_commit, **remote_kw)
         except BaseException:
             if placeholder:
                 self._drop_placeholder(path)
@@ -424,7 +475,7 @@ class _FastPersistIOImpl:
         ckpt = self._ckpt
         if ckpt is None:
             return
-        targets = {path, os.path.realpath(path)}
+        targets = {path} if fp_remote.is_remote(path) else {path, os.path.realpath(path)}
         try:
             for t in targets:
                 if ckpt.pending(t):
@@ -539,13 +590,41 @@ class _FastPersistCallbackImpl:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
 
+class _FastPersistModelCheckpointImpl:
+    """``ModelCheckpoint`` that works with remote ``dirpath`` s and FastPersist's pending saves.
+
+    * ``_find_last_checkpoints`` returns full URLs for a remote checkpoint directory
+      (Lightning's own returns them without the ``s3://`` prefix, so ``ckpt_path="last"``
+      silently finds nothing), so ``fit(ckpt_path="last")`` resumes from the store.
+    * ``file_exists`` (the ``-v1`` version counter) also counts a save still pending in the
+      trainer's FastPersist plugin: a remote checkpoint has no placeholder while it uploads.
+
+    Everything else is the stock ``ModelCheckpoint``; local directories behave identically.
+    """
+
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        found = super()._find_last_checkpoints(trainer)
+        from fsspec.implementations.local import LocalFileSystem
+
+        fs = getattr(self, "_fs", None)
+        if fs is None or isinstance(fs, LocalFileSystem):
+            return found
+        return {fs.unstrip_protocol(p) for p in found}
+
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        plugin = _FastPersistCallbackImpl._plugin(trainer)
+        if trainer.is_global_zero and plugin is not None and plugin.pending(filepath):
+            return trainer.strategy.reduce_boolean_decision(True, all=False)  # same collective as stock
+        return super().file_exists(filepath, trainer)
+
+
 # ---------------------------------------------------------------------- concrete classes
 __all__ = ["FastPersistWarning"]
 
 try:  # the ``lightning`` package
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO as _LCheckpointIO
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as _LTorchCheckpointIO
     from lightning.pytorch.callbacks import Callback as _LCallback
+    from lightning.pytorch.callbacks import ModelCheckpoint as _LModelCheckpoint
 except ImportError:  # pragma: no cover - depends on the environment
     _LCheckpointIO = None
 else:
@@ -553,17 +632,18 @@ else:
     class FastPersistIO(_FastPersistIOImpl, _LCheckpointIO):
         """FastPersist ``CheckpointIO`` for ``lightning`` (``lightning.pytorch.Trainer``, ``lightning.Fabric``)."""
 
-        _torch_io_cls = _LTorchCheckpointIO
-
     class FastPersistCallback(_FastPersistCallbackImpl, _LCallback):
         """Companion callback for ``lightning.pytorch.Trainer``."""
 
-    __all__ += ["FastPersistIO", "FastPersistCallback"]
+    class FastPersistModelCheckpoint(_FastPersistModelCheckpointImpl, _LModelCheckpoint):
+        __doc__ = _FastPersistModelCheckpointImpl.__doc__
+
+    __all__ += ["FastPersistIO", "FastPersistCallback", "FastPersistModelCheckpoint"]
 
 try:  # the ``pytorch_lightning`` package (with ``lightning_fabric``)
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _PLCheckpointIO
-    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO as _PLTorchCheckpointIO
     from pytorch_lightning.callbacks import Callback as _PLCallback
+    from pytorch_lightning.callbacks import ModelCheckpoint as _PLModelCheckpoint
 except ImportError:  # pragma: no cover
     _PLCheckpointIO = None
 else:
@@ -571,17 +651,18 @@ else:
     class PLFastPersistIO(_FastPersistIOImpl, _PLCheckpointIO):
         """FastPersist ``CheckpointIO`` for ``pytorch_lightning.Trainer`` and ``lightning_fabric.Fabric``."""
 
-        _torch_io_cls = _PLTorchCheckpointIO
-
     class PLFastPersistCallback(_FastPersistCallbackImpl, _PLCallback):
         """Companion callback for ``pytorch_lightning.Trainer``."""
 
-    __all__ += ["PLFastPersistIO", "PLFastPersistCallback"]
+    class PLFastPersistModelCheckpoint(_FastPersistModelCheckpointImpl, _PLModelCheckpoint):
+        __doc__ = _FastPersistModelCheckpointImpl.__doc__
+
+    __all__ += ["PLFastPersistIO", "PLFastPersistCallback", "PLFastPersistModelCheckpoint"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("FastPersistIO", "FastPersistCallback"):
+    if name in ("FastPersistIO", "FastPersistCallback", "FastPersistModelCheckpoint"):
         raise ImportError(f"{name} needs the 'lightning' package: pip install lightning")
-    if name in ("PLFastPersistIO", "PLFastPersistCallback"):
+    if name in ("PLFastPersistIO", "PLFastPersistCallback", "PLFastPersistModelCheckpoint"):
         raise ImportError(f"{name} needs the 'pytorch_lightning' package: pip install pytorch-lightning")
     raise AttributeError(name)
