@@ -25,7 +25,8 @@ checkpoint is staged in ``output_dir/.fastpersist-staging-{step}`` (a name that 
 file is made durable, and only then is the directory renamed to ``checkpoint-{step}``
 and the parent directory fsync'ed. So ``resume_from_checkpoint=True`` only ever sees
 complete checkpoints. ``save_total_limit`` rotation runs after that commit, on the
-background worker, with the same ``rotate_checkpoints`` call stock makes.
+background worker, choosing the same victims as stock's ``rotate_checkpoints`` but renaming
+each out of the ``checkpoint-*`` namespace before deleting it.
 
 How it takes over
 -----------------
@@ -123,12 +124,13 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
 from fp_core import remote as fp_remote
 from fp_core.commit import fsync_dir
@@ -141,6 +143,7 @@ __all__ = ["FastPersistCallback", "STAGING_PREFIX", "intercept_safetensors_write
 
 STAGING_PREFIX = ".fastpersist-staging-"
 _REPLACED_PREFIX = ".fastpersist-replaced-"
+_DELETING_PREFIX = ".fastpersist-deleting-"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
@@ -460,9 +463,7 @@ class FastPersistCallback(TrainerCallback):
         self._setup_group()
         # Remove staging directories left by a crashed run (nothing of ours is pending).
         if args.should_save and not self._pending and os.path.isdir(args.output_dir):
-            for name in os.listdir(args.output_dir):
-                if name.startswith((STAGING_PREFIX, _REPLACED_PREFIX)):
-                    shutil.rmtree(os.path.join(args.output_dir, name), ignore_errors=True)
+            _recover_output_dir(args.output_dir)
         self._barrier()
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -663,8 +664,7 @@ class FastPersistCallback(TrainerCallback):
             try:
                 if ok:
                     self._publish(rec.staging, rec.path, run_dir)
-                    rotate_checkpoints(output_dir=run_dir, save_total_limit=save_total_limit,
-                                       best_model_checkpoint=best, use_mtime=True)
+                    _rotate_checkpoints_atomically(run_dir, save_total_limit, best)
                 else:
                     shutil.rmtree(rec.staging, ignore_errors=True)
             except BaseException as e:  # noqa: BLE001
@@ -735,6 +735,50 @@ class FastPersistCallback(TrainerCallback):
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
 
+
+
+def _recover_output_dir(output_dir: str) -> None:
+    """Undo what a crashed run left half-done, so no partial ``checkpoint-N`` is ever seen.
+
+    Staging directories are discarded; a checkpoint moved aside to be replaced is put back
+    if its replacement never arrived; directories renamed for deletion are deleted.
+    """
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name.startswith(_REPLACED_PREFIX):
+            final = os.path.join(output_dir, name[len(_REPLACED_PREFIX):])
+            if not os.path.lexists(final):
+                os.rename(path, final)  # the crash fell between the two renames of _publish
+                continue
+        if name.startswith((STAGING_PREFIX, _REPLACED_PREFIX, _DELETING_PREFIX)):
+            shutil.rmtree(path, ignore_errors=True)
+    _fsync_dir(output_dir)
+
+
+def _rotate_checkpoints_atomically(run_dir: str, save_total_limit: int | None, best: str | None) -> None:
+    """transformers' ``rotate_checkpoints`` (same choice of victims), but each victim is first
+    renamed out of the ``checkpoint-*`` namespace, so a kill during the slow recursive delete
+    never leaves a half-deleted ``checkpoint-N`` that looks like a checkpoint."""
+    if save_total_limit is None or save_total_limit <= 0:
+        return
+    checkpoints = sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=True)
+    if len(checkpoints) <= save_total_limit:
+        return
+    protected = {checkpoints[-1]} | ({str(Path(best))} if best is not None else set())
+    keep, remaining = max(save_total_limit, len(protected)), len(checkpoints)
+    doomed = []
+    for ckpt in checkpoints:
+        if remaining <= keep:
+            break
+        if ckpt not in protected:
+            gone = os.path.join(os.path.dirname(ckpt), _DELETING_PREFIX + os.path.basename(ckpt))
+            os.rename(ckpt, gone)
+            doomed.append(gone)
+            remaining -= 1
+    if doomed:
+        _fsync_dir(run_dir)
+    for gone in doomed:
+        shutil.rmtree(gone, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------
