@@ -23,13 +23,13 @@ file in parallel; they are published only if every rank succeeded.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import logging
 import os
 import socket
 import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from . import _native, commit
@@ -40,7 +40,7 @@ from .partition import select_writers, split_range
 from .plan import FilePlan, StorageExtent, build
 from .skeleton import SparseFile
 from .stats import SaveStats
-from .writer import RangeStats, write_range, write_tail
+from .writer import PieceCrc, RangeStats, write_range, write_tail
 
 log = logging.getLogger("fastpersist")
 
@@ -53,15 +53,15 @@ class CollectiveSaveError(CheckpointError):
 
 
 def coordination_group(group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
-    """A gloo group over ``group``'s ranks, created once and cached.
+    """A dedicated gloo group over ``group``'s ranks, created once and cached.
 
-    If ``group`` is already a gloo group it is used as is. Creating one is itself a
-    collective over the default group: the first collective save must run on every rank.
+    Always a new group, even when ``group`` is gloo already: checkpoint collectives run on a
+    background thread, and on the training's own group they would interleave with its
+    gradient all-reduces. Creating one is itself a collective over the default group, so
+    the first collective save (or a call of this function) must run on every rank.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("a collective save needs torch.distributed to be initialised")
-    if group is not None and dist.get_backend(group) == "gloo":
-        return group
     ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
     if ranks not in _coord_groups:
         _coord_groups[ranks] = dist.new_group(list(ranks), backend="gloo",
@@ -89,21 +89,45 @@ def _sample_crc(s: StorageExtent) -> int:
     return crc
 
 
-def _layout_digest(plan: FilePlan) -> str:
-    """What every writer must agree on: layout, pickled structure and sampled contents.
+# Storages whose sampled contents differ between ranks (BatchNorm statistics under DDP,
+# per-rank counters) are sent from rank 0 to the writers, up to this many bytes in all and
+# a tenth of the checkpoint; beyond that rank 0 writes the whole file alone.
+MAX_DIFFERING_BYTES = 64 << 20
 
-    torch's ``.data/serialization_id`` record differs per process by design, so it is
-    excluded; rank 0's copy is the one written.
-    """
-    h = hashlib.sha256()
-    h.update(str(plan.file_size).encode())
-    for r in plan.manifest.records:
-        if r.name.endswith("/.data/serialization_id"):
-            continue
-        h.update(f"{r.name}:{r.offset}:{r.size}:{r.dtype}:{r.kind}:{r.crc32c if r.kind == 'record' else ''};".encode())
-    for s in plan.storages:
-        h.update(f"{s.offset}:{_sample_crc(s):08x};".encode())
-    return h.hexdigest()
+
+def _storage_table(plan: FilePlan) -> dict[str, tuple[int, str | None, int]]:
+    """record name -> (bytes, dtype, sampled CRC) for every non-empty storage."""
+    return {plan.manifest.records[s.record].name: (s.length, plan.manifest.records[s.record].dtype, _sample_crc(s))
+            for s in plan.storages}
+
+
+def _share_plan(tables: list[dict]) -> tuple[str | None, set[str]]:
+    """Can the ranks write rank 0's file together? (reason if not, storages that differ)."""
+    ref = tables[0]
+    shape = {k: v[:2] for k, v in ref.items()}
+    for r, t in enumerate(tables[1:], 1):
+        if {k: v[:2] for k, v in t.items()} != shape:
+            return f"rank {r} holds storages of other sizes or dtypes than rank 0", set()
+    differing = {k for k, v in ref.items() if any(t[k][2] != v[2] for t in tables[1:])}
+    nbytes = sum(ref[k][0] for k in differing)
+    limit = min(MAX_DIFFERING_BYTES, sum(v[0] for v in ref.values()) // 10)
+    if differing and nbytes > limit:
+        return (f"{len(differing)} storages ({nbytes / 2**20:.1f} MiB) differ between ranks, more than "
+                f"{limit / 2**20:.1f} MiB"), differing
+    return None, differing
+
+
+def _adopt_rank0_layout(plan: FilePlan, layout: dict) -> None:
+    """Make this rank's plan write rank 0's file: its skeleton, offsets and differing bytes."""
+    plan.skeleton = _skeleton_from(layout["segments"], layout["file_size"])
+    plan.file_size = layout["file_size"]
+    plan.manifest_header_offset = layout["manifest_header_offset"]
+    names = {plan.manifest.records[s.record].name: s for s in plan.storages}
+    for name, offset in layout["offsets"].items():
+        names[name].offset = offset
+        if name in layout["differing"]:
+            names[name].host = torch.frombuffer(bytearray(layout["differing"][name]), dtype=torch.uint8)
+    plan.storages.sort(key=lambda s: s.offset)
 
 
 def _skeleton_from(segments: list[tuple[int, bytes]], size: int) -> SparseFile:
@@ -194,17 +218,27 @@ class CollectiveSave:
                 header = (False, f"{type(e).__name__}: {e}", "")
                 first_error = e
         ok, err, tmp = _broadcast(header, cg)
+        if ok and tmp == _DECLINED:
+            # rank 0 writes this checkpoint alone (see decline()): nothing to do here.
+            stats.writers = 0
+            stats.extra["declined"] = True
+            if on_body_written is not None:
+                on_body_written()
+            return stats
         if not ok:
             if first_error is not None:
                 raise first_error
             raise CollectiveSaveError(f"collective save of {final} failed on rank 0: {err}")
 
         try:
-            # 2. agree on the layout, choose the writers.
+            # 2. agree on what to write, choose the writers. Rank 0's file is the one written:
+            #    the others adopt its skeleton (pickle included) and offsets, write their own
+            #    copies of the storages that match rank 0's (sampled), and rank 0's bytes for
+            #    the few that differ (sent along with the skeleton).
             if plan is not None:
-                status = (True, "", _layout_digest(plan), socket.gethostname())
+                status = (True, "", _storage_table(plan), socket.gethostname())
             else:
-                status = (False, f"{type(self.plan_error).__name__}: {self.plan_error}", "", socket.gethostname())
+                status = (False, f"{type(self.plan_error).__name__}: {self.plan_error}", {}, socket.gethostname())
             statuses = _all_gather(status, cg)
             if _failures(statuses):
                 if self.plan_error is not None:
@@ -212,19 +246,27 @@ class CollectiveSave:
                         f"cannot serialise the checkpoint for {final}: {status[1]}") from self.plan_error
                 raise CollectiveSaveError(f"collective save of {final} failed: {'; '.join(_failures(statuses))}")
             assert plan is not None
-            digests = {s[2] for s in statuses}
             writers = select_writers(self.topology, world, [s[3] for s in statuses])
-            if len(digests) > 1:
+            reason, differing = _share_plan([s[2] for s in statuses])
+            if reason is not None:
                 if rank == 0:
-                    log.warning("fastpersist: ranks hold different checkpoint contents for %s (%d distinct layouts "
-                                "or sampled values); rank 0 writes the whole file alone. Use sharded=True when "
-                                "each rank holds its own state.", final, len(digests))
+                    log.warning("fastpersist: %s for %s; rank 0 writes the whole file alone. Use sharded=True "
+                                "when each rank holds its own state.", reason, final)
                 writers = [0]
-            else:
-                # Everyone writes rank 0's skeleton bytes, so the file is exactly rank 0's layout.
-                segs = _broadcast(plan.skeleton.segments() if rank == 0 else None, cg)
+            elif world > 1:
+                layout = None
+                if rank == 0:
+                    by_name = {plan.manifest.records[s.record].name: s for s in plan.storages}
+                    layout = {
+                        "segments": plan.skeleton.segments(), "file_size": plan.file_size,
+                        "manifest_header_offset": plan.manifest_header_offset,
+                        "offsets": {n: st.offset for n, st in by_name.items()},
+                        "differing": {n: by_name[n].source.cpu().numpy().tobytes() for n in differing},
+                    }
+                layout = _broadcast(layout, cg)
                 if rank != 0:
-                    plan.skeleton = _skeleton_from(segs, plan.file_size)
+                    _adopt_rank0_layout(plan, layout)
+                stats.extra["differing_storages"] = len(differing)
 
             # 3. each writer writes its share of the body into the shared temp file.
             ranges = split_range(0, plan.tail_start, len(writers), plan.alignment)
@@ -237,7 +279,8 @@ class CollectiveSave:
                     if engine is None:
                         engine = open_engine(tmp, opts, create=False)
                     if hi > lo:
-                        pieces = write_range(engine, plan, lo, hi, opts, rs)
+                        pieces = [(plan.manifest.records[pc.record].name, pc.start, pc.length, pc.crc)
+                                  for pc in write_range(engine, plan, lo, hi, opts, rs)]
                 status2 = (True, "", pieces)
             except Exception as e:  # noqa: BLE001
                 status2 = (False, f"{type(e).__name__}: {e}", [])
@@ -256,7 +299,9 @@ class CollectiveSave:
             outcome = (True, "")
             if rank == 0:
                 try:
-                    all_pieces = [p for s in statuses2 for p in s[2]]
+                    index = {r.name: i for i, r in enumerate(plan.manifest.records)}
+                    all_pieces = [PieceCrc(index[name], start, length, crc)
+                                  for st in statuses2 for name, start, length, crc in st[2]]
                     write_tail(engine, plan, all_pieces, opts, rs, on_body_written)
                     engine.sync()
                     engine.close()
@@ -286,6 +331,22 @@ class CollectiveSave:
         stats.extra.update(rank_bytes=rs.bytes, writer_ranks=writers, tail_start=plan.tail_start)
         stats.seconds = time.perf_counter() - self.t0
         return stats
+
+
+_DECLINED = "<declined by rank 0>"
+
+
+def decline(group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Rank 0's half of a collective save it will *not* make collective.
+
+    The other ranks may already be waiting in :meth:`CollectiveSave.run` for a checkpoint
+    that rank 0 decides to write alone (a remote URL, say): this answers them, and they
+    return without writing or raising.
+    """
+    cg = coordination_group(group, timeout_s)
+    if dist.get_rank(cg) != 0:
+        raise RuntimeError("only rank 0 declines a collective save")
+    _broadcast((True, "", _DECLINED), cg)
 
 
 def save_collective(obj: Any, path: str | os.PathLike, group: Any = None, *, topology: Any = "replica",

@@ -199,8 +199,12 @@ class AsyncCheckpointer:
     def save(self, obj: Any, path: str | os.PathLike, *, format: str = "torch",
              metadata: dict[str, str] | None = None,
              on_commit: Callable[[str, SaveStats], None] | None = None,
-             storage_options: dict | None = None, keep_local: bool = False) -> SaveHandle:
+             storage_options: dict | None = None, keep_local: bool = False,
+             local: bool = False) -> SaveHandle:
         """Start saving ``obj`` to ``path``; return at once with a handle.
+
+        With a ``group``, every save is collective unless ``local=True`` (this rank alone,
+        e.g. rank 0 after :meth:`decline`).
 
         The object's structure is pickled now; tensor bytes are read in the background
         until the fence. ``on_commit(path, stats)`` runs after the file is durable under
@@ -217,10 +221,10 @@ class AsyncCheckpointer:
         prepared: Any
         is_remote, path = remote.split(path)
         if is_remote:
-            if self.group is not None:
+            if self.group is not None and not local:
                 raise ValueError(f"collective saves to a remote URL ({path}) are not supported")
             prepared = remote.RemoteSave(obj, path, self.options, format, metadata, storage_options, keep_local)
-        elif self.group is not None:
+        elif self.group is not None and not local:
             if format != "torch":
                 raise ValueError("collective saves write the torch format")
             prepared = CollectiveSave(obj, path, self.group, topology=self.topology, timeout_s=self.timeout_s,
@@ -250,6 +254,17 @@ class AsyncCheckpointer:
         self._install_hook()
         prepared.stats.blocked_seconds = time.perf_counter() - t0
         return handle
+
+    def decline(self) -> Handle:
+        """Rank 0: answer the other ranks waiting for a collective save it writes alone.
+
+        Queued in order with the saves, so it pairs with the peers' pending collective.
+        """
+        if self.group is None:
+            raise RuntimeError("decline() needs an AsyncCheckpointer with a group")
+        from .distributed import decline
+
+        return self.enqueue(decline, self.group, self.timeout_s, after=[])
 
     def enqueue(self, fn: Callable[..., Any], *args: Any, after: Iterable[Handle] | None = None) -> Handle:
         """Run ``fn(*args)`` on the background worker after earlier jobs.

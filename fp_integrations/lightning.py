@@ -90,9 +90,16 @@ download. The staging slot is removed when the upload ends, on success and on fa
   nothing exists). :class:`FastPersistModelCheckpoint` returns full URLs, so
   ``ckpt_path="last"`` resumes from the newest remote ``last*.ckpt``.
 
-Distributed: Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global rank 0
-only (DDP), so rank 0 writes alone. Letting all data-parallel ranks write disjoint byte
-ranges needs a Strategy that calls the plugin on every rank; see ``_start_save``.
+Distributed (DDP): Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global
+rank 0 only. With the plugin alone, rank 0 writes every checkpoint. Add the callback —
+``Trainer(plugins=[FastPersistIO()], callbacks=[FastPersistCallback()])``, the one extra
+object — and every rank writes a near-equal byte range of each checkpoint into the one
+file (``fp_core.save(..., group=...)`` on a dedicated gloo group): the callback sees the
+checkpoint dict on every rank (``on_save_checkpoint``) and starts the other ranks' part;
+rank 0's plugin joins when Lightning hands it the same dict. The file is rank 0's, byte for
+byte: storages that differ between ranks (BatchNorm statistics) are sent from rank 0; if
+ranks differ too much, rank 0 writes alone with a warning. Saves rank 0 makes alone
+(``ddp_spawn``'s hand-back file, URLs) stay rank-0 saves and tell the others so.
 """
 
 from __future__ import annotations
@@ -126,7 +133,9 @@ _ENGINE_OPTION_NAMES = frozenset(f.name for f in fields(fp_core.EngineOptions))
 _STORAGE_OPTION_KEYS = frozenset({"blocking"})
 _RUNTIME_ATTRS = ("_lock", "_ckpt", "_pending", "_committed", "_unlogged", "_hook", "_hook_finalizer",
                   "_torn_down", "save_call_seconds", "fence_seconds", "fence_count",
-                  "fence_overlaps")
+                  "fence_overlaps", "_collective", "_collective_next")
+# What ranks other than 0 pass as the path of a collective save: only rank 0 names the file.
+_PEER_PATH = "fastpersist-peer-rank.ckpt"
 
 
 class FastPersistWarning(UserWarning):
@@ -229,6 +238,9 @@ class _FastPersistIOImpl:
         self.fence_seconds = 0.0  # training-thread time spent waiting at fences
         self.fence_count = 0  # fences run (optimizer steps while a checkpointer exists)
         self.fence_overlaps = 0  # fences that found a save still in flight (the write overlapped a step)
+        # DDP with FastPersistCallback: every rank writes a share of each checkpoint.
+        self._collective = False
+        self._collective_next: Any = None  # the checkpoint dict rank 0 will receive next
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -405,6 +417,10 @@ class _FastPersistIOImpl:
     def _checkpointer(self) -> Any:
         if self._ckpt is None:
             rest = {k: v for k, v in self.options.items() if k not in _ENGINE_OPTION_NAMES}
+            if self._collective:
+                import torch.distributed as dist
+
+                rest.setdefault("group", dist.group.WORLD)
             self._ckpt = fp_core.AsyncCheckpointer(
                 policy=self.policy, max_in_flight=self.max_in_flight,
                 install_optimizer_hook=False,  # ours runs the fence after the step's closure
@@ -412,14 +428,47 @@ class _FastPersistIOImpl:
         self._install_hook()
         return self._ckpt
 
-    def _start_save(self, checkpoint: Any, path: str, blocking: bool, is_remote: bool = False) -> _Pending | None:
-        """Start one save; the single place a multi-writer partitioner would plug in.
+    # ------------------------------------------------------------------ DDP: all ranks write
+    def enable_collective(self) -> None:
+        """Every rank takes part in each checkpoint (called on every rank by the callback).
 
-        A future ``FastDDPStrategy`` calling the plugin on every DP rank would pass its
-        rank/world here and have each rank write its byte range of one shared temp file.
+        Lightning hands the checkpoint to the plugin on rank 0 only; ``FastPersistCallback``
+        sees it on every rank (``on_save_checkpoint``) and calls :meth:`participate` there,
+        so each rank writes a near-equal byte range of the one file (``fp_core.save(...,
+        group=...)``). Must run on every rank at the same point (creates a gloo group).
         """
+        from fp_core.distributed import coordination_group
+
+        coordination_group(None)  # collective: create it now, on the main thread, on every rank
+        if self._ckpt is not None and getattr(self._ckpt, "group", None) is None:
+            self._ckpt.close()  # a local-only checkpointer from before: replace it
+            self._ckpt = None
+        self._collective = True
+
+    def expect_collective(self, checkpoint: Any) -> None:
+        """Rank 0: the next ``save_checkpoint`` of this very dict is collective."""
+        self._collective_next = checkpoint
+
+    def participate(self, checkpoint: Any) -> None:
+        """Ranks > 0: write this rank's share of the checkpoint rank 0 is about to save."""
+        try:
+            self._checkpointer().save(checkpoint, _PEER_PATH)
+        except Exception as e:
+            if not self._failed(e, "writing this rank's share of a checkpoint"):
+                raise
+
+    def _start_save(self, checkpoint: Any, path: str, blocking: bool, is_remote: bool = False) -> _Pending | None:
+        """Start one save: collective when the other ranks joined it (see enable_collective)."""
         remote_kw = {"storage_options": self.storage_options, "keep_local": self.keep_local} if is_remote else {}
-        if blocking and self._ckpt is None:
+        peers_waiting = self._collective and checkpoint is self._collective_next
+        self._collective_next = None
+        if self._collective:
+            # The other ranks take part only in saves they saw (on_save_checkpoint); a save
+            # to a URL is written here alone, and the waiting peers are told so.
+            if peers_waiting and is_remote:
+                self._checkpointer().decline()
+            remote_kw["local"] = not peers_waiting or is_remote
+        if blocking and self._ckpt is None and not self._collective:
             # nothing in the background to order against: plain synchronous save, no thread
             stats = fp_core.save(checkpoint, path, **remote_kw, **self.engine_options)
             self._on_commit(path, stats)
@@ -539,14 +588,42 @@ class _FastPersistIOImpl:
 
 
 class _FastPersistCallbackImpl:
-    """Companion callback (optional): logs per-checkpoint stats to the trainer's loggers and
-    fences at ``on_before_optimizer_step`` (for optimizers that are not ``torch.optim``)."""
+    """Companion callback (optional): logs per-checkpoint stats to the trainer's loggers,
+    fences at ``on_before_optimizer_step`` (for optimizers that are not ``torch.optim``) and,
+    under DDP, lets every rank write a share of each checkpoint (``all_ranks_write``).
 
-    def __init__(self, log_stats: bool = True, fence: bool = True, prefix: str = "fastpersist/") -> None:
+    Lightning gives the checkpoint to the plugin on rank 0 only, but calls every callback's
+    ``on_save_checkpoint`` on every rank with the same dict just before: there each rank > 0
+    starts its part of a collective save (``fp_core.save(..., group=...)``), and rank 0's
+    plugin joins it when the dict arrives. Saves rank 0 makes alone (``ddp_spawn``'s
+    hand-back file, URLs) stay rank-0 saves. Ranks whose checkpoints differ fall back to
+    rank 0 writing alone, with a warning.
+    """
+
+    def __init__(self, log_stats: bool = True, fence: bool = True, prefix: str = "fastpersist/",
+                 all_ranks_write: bool = True) -> None:
         super().__init__()
         self.log_stats = log_stats
         self.fence = fence
         self.prefix = prefix
+        self.all_ranks_write = all_ranks_write
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        import torch.distributed as dist
+
+        plugin = self._plugin(trainer)
+        if (plugin is not None and self.all_ranks_write and trainer.world_size > 1
+                and dist.is_available() and dist.is_initialized() and not plugin._collective):
+            plugin.enable_collective()
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        plugin = self._plugin(trainer)
+        if plugin is None or not plugin._collective:
+            return
+        if trainer.is_global_zero:
+            plugin.expect_collective(checkpoint)
+        else:
+            plugin.participate(checkpoint)
 
     @staticmethod
     def _plugin(trainer: Any) -> _FastPersistIOImpl | None:

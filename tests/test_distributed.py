@@ -164,3 +164,15 @@ def test_async_collective_saves_are_consistent(ddir):
     results = run_ranks("async", 2, ddir)
     assert all(r["ok"] for r in results), results
     assert sorted(n for n in os.listdir(ddir) if n.endswith(".pt")) == ["step0.pt", "step1.pt", "step2.pt"]
+
+
+def test_small_per_rank_differences_still_write_in_parallel(ddir):
+    """Under DDP, BatchNorm statistics and logged values differ per rank; the file is rank 0's."""
+    results = run_ranks("small_differs", 2, ddir)
+    assert all(r["ok"] for r in results), results
+    assert results[0]["writers"] == 2 and results[0]["differing"] == 1, results
+    got = torch.load(os.path.join(ddir, "ckpt.pt"), weights_only=True)
+    assert torch.equal(got["model"]["bn.running_mean"], torch.zeros(64))  # rank 0's values
+    assert got["meta"]["loss"] == 0.5
+    assert_equal_state(got, {**state(), "meta": {"epoch": 3, "name": "run", "loss": 0.5}})
+    fp_core.verify(os.path.join(ddir, "ckpt.pt"))

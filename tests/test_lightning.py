@@ -488,6 +488,37 @@ def test_ddp_spawn(tmp_path):
     no_temp_files(tmp_path)
 
 
+class RecordWriters:
+    """on_commit hook (picklable, for ddp_spawn): append ``path writers`` for each save."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(self, path: str, stats) -> None:
+        with open(self.log, "a") as f:
+            f.write(f"{os.path.basename(path)} {stats.writers}\n")
+
+
+def test_ddp_spawn_every_rank_writes_a_share(tmp_path):
+    log = str(tmp_path / "writers.log")
+    io = FastPersistIO(on_commit=RecordWriters(log))
+    mc = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=2, monitor="loss", every_n_train_steps=2,
+                         save_last=True)
+    lp.seed_everything(5)
+    model = Model()
+    t = trainer(tmp_path, io, [mc, FastPersistCallback()], strategy="ddp_spawn", devices=2, max_epochs=1)
+    t.fit(model)
+    rows = [line.split() for line in open(log).read().splitlines()]
+    ckpt_rows = [(name, int(w)) for name, w in rows if name != ".temp.ckpt"]
+    assert ckpt_rows and all(w == 2 for _, w in ckpt_rows), rows  # both ranks wrote every checkpoint
+    assert [int(w) for name, w in rows if name == ".temp.ckpt"] == [1]  # the hand-back file: rank 0 alone
+    for f in listing(tmp_path / "ck"):
+        fp_core.verify(tmp_path / "ck" / f)
+    last = torch.load(tmp_path / "ck" / "last.ckpt", weights_only=False)
+    assert_same(model.state_dict(), last["state_dict"], "ddp_spawn weights")
+    no_temp_files(tmp_path / "ck")
+
+
 DDP_SCRIPT = textwrap.dedent("""
     import os, sys, torch
     sys.path[:0] = [{repo!r}, {tests!r}]

@@ -48,6 +48,13 @@ def main() -> None:
         elif scenario == "mismatch":  # same layout, replicas drifted apart
             st = fp_core.save(state(seed=rank), path, group=dist.group.WORLD)
             result.update(writers=st.writers, ranks=st.extra["writer_ranks"])
+        elif scenario == "small_differs":  # DDP: BatchNorm statistics and counters differ per rank
+            obj = state()
+            obj["model"]["bn.running_mean"] = torch.full((64,), float(rank))
+            obj["meta"]["loss"] = 0.5 + rank
+            st = fp_core.save(obj, path, group=dist.group.WORLD)
+            result.update(writers=st.writers, ranks=st.extra["writer_ranks"],
+                          differing=st.extra.get("differing_storages"))
         elif scenario == "layout_mismatch":
             obj = state()
             if rank == 1:
