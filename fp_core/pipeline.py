@@ -424,7 +424,7 @@ class AsyncCheckpointer:
                 t0 = time.perf_counter()
                 arena = self._take_arena(big)
                 try:
-                    copy_to_host(big, into=arena.carve([s.length for s in big]))
+                    copy_to_host(big, into=arena.carve([s.length for s in big]), background=True)
                 except Exception as e:
                     if isinstance(prepared, CollectiveSave):
                         prepared.fail(e)  # the other ranks must still hear of it

@@ -64,11 +64,14 @@ def _piece_addr(piece: Piece) -> int:
     return piece.storage.addr() + piece.storage_start
 
 
-def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None = None) -> None:
+def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None = None,
+                 background: bool = False) -> None:
     """Give each extent a host copy (``host``), device sources via a side CUDA stream.
 
     ``into``, when given, are preallocated uint8 buffers of the same lengths (a snapshot
-    arena); otherwise pinned (CUDA) or plain host buffers are allocated.
+    arena); otherwise pinned (CUDA) or plain host buffers are allocated. ``background``
+    copies CPU tensors on the calling thread alone (numpy, GIL released) instead of
+    torch's intra-op pool, which the training loop is using at the same time.
     """
     streams: dict[torch.device, Any] = {}
     for i, s in enumerate(extents):
@@ -80,6 +83,8 @@ def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None =
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 buf.copy_(s.source, non_blocking=True)
+        elif background:
+            np.copyto(buf.numpy(), s.source.numpy())
         else:
             buf.copy_(s.source)
         s.host = buf
