@@ -79,10 +79,10 @@ def _sample_crc(s: StorageExtent) -> int:
     samples catch replicas that drifted apart (different seeds, a rank that skipped a
     step) at the cost of a few cache lines per tensor.
     """
-    n = s.length
-    if s.source.device.type != "cpu":
-        return _native.crc32c(s.source[: min(n, _WINDOW)].cpu().numpy().tobytes())
-    crc, base = 0, s.source.data_ptr()
+    n, data = s.length, s.data
+    if data.device.type != "cpu":
+        return _native.crc32c(data[: min(n, _WINDOW)].cpu().numpy().tobytes())
+    crc, base = 0, data.data_ptr()
     for i in range(_SAMPLES):
         off = min(n - 1, i * n // _SAMPLES)
         crc = _native.crc32c_addr(base + off, min(_WINDOW, n - off), crc)
@@ -261,7 +261,7 @@ class CollectiveSave:
                         "segments": plan.skeleton.segments(), "file_size": plan.file_size,
                         "manifest_header_offset": plan.manifest_header_offset,
                         "offsets": {n: st.offset for n, st in by_name.items()},
-                        "differing": {n: by_name[n].source.cpu().numpy().tobytes() for n in differing},
+                        "differing": {n: by_name[n].data.cpu().numpy().tobytes() for n in differing},
                     }
                 layout = _broadcast(layout, cg)
                 if rank != 0:

@@ -54,9 +54,15 @@ class StorageExtent:
     def on_cpu(self) -> bool:
         return self.host is not None or self.source.device.type == "cpu"
 
+    @property
+    def data(self) -> torch.Tensor:
+        """The bytes to write: the host copy when one was taken (it holds the values as of
+        the save; the live ``source`` may have moved on), else the source."""
+        return self.host if self.host is not None else self.source
+
     def addr(self) -> int:
         """Address of the bytes to write; valid only when ``on_cpu``."""
-        return (self.host if self.host is not None else self.source).data_ptr()
+        return self.data.data_ptr()
 
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:

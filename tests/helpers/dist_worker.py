@@ -76,10 +76,14 @@ def main() -> None:
             torch.nn.init.constant_(model.weight, 1.0)
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
             expected = []
+            stats = torch.zeros(16)  # a BatchNorm-like buffer, copied at save time
             with fp_core.AsyncCheckpointer(group=dist.group.WORLD, policy="overlap") as ckpt:
                 for step in range(3):
                     expected.append({k: v.clone() for k, v in model.state_dict().items()})
-                    ckpt.save(model.state_dict(), os.path.join(d, f"step{step}.pt"))
+                    expected[-1]["stats"] = stats.clone()
+                    ckpt.save({**model.state_dict(), "stats": stats}, os.path.join(d, f"step{step}.pt"))
+                    if rank == 0:  # changes right after the save, on one rank only (as in forward)
+                        stats.add_(1)
                     model(torch.ones(4, 512)).sum().backward()
                     opt.step()  # the installed pre-hook fences first
                     opt.zero_grad()
