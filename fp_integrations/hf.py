@@ -122,6 +122,7 @@ import sys
 import threading
 import time
 import warnings
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +139,7 @@ from fp_core.pipeline import AsyncCheckpointer
 
 log = logging.getLogger("fastpersist.hf")
 
-__all__ = ["FastPersistCallback", "STAGING_PREFIX", "intercept_safetensors_writes", "download_checkpoint",
+__all__ = ["FastPersistCallback", "STAGING_PREFIX", "intercept_safetensors_writes", "verify_checkpoint_dir", "download_checkpoint",
            "remote_checkpoints"]
 
 STAGING_PREFIX = ".fastpersist-staging-"
@@ -288,7 +289,7 @@ class FastPersistCallback(TrainerCallback):
     def __init__(self, trainer: Trainer | None = None, *, policy: str = "auto", max_in_flight: int = 1,
                  on_error: str = "raise", fence_on_step_begin: bool | str = "auto",
                  remote_dir: str | None = None, storage_options: dict | None = None, keep_local: bool = False,
-                 **engine_options: Any) -> None:
+                 verify_on_resume: bool = True, **engine_options: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
         if max_in_flight < 1:
@@ -308,6 +309,7 @@ class FastPersistCallback(TrainerCallback):
         self.remote_dir = remote_dir
         self.storage_options = storage_options
         self.keep_local = keep_local
+        self.verify_on_resume = verify_on_resume
         self._uploaded_local: list[str] = []  # local copies uploaded, to drop when keep_local=False
         self.engine_options = engine_options
         self.trainer: Trainer | None = None
@@ -341,13 +343,21 @@ class FastPersistCallback(TrainerCallback):
             self._installed_on = trainer
             return self
         trainer._save_checkpoint = self._save_checkpoint  # instance attribute shadows the method
+        trainer._load_from_checkpoint = self._load_from_checkpoint
         self._installed_on = trainer
         return self
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> Any:
+        """Resume: check the checkpoint's bytes against their checksums before loading any."""
+        if self.verify_on_resume:
+            verify_checkpoint_dir(resume_from_checkpoint)
+        return Trainer._load_from_checkpoint(self.trainer, resume_from_checkpoint, model)
+
     def _uninstall(self) -> None:
         t = self._installed_on
-        if t is not None and t.__dict__.get("_save_checkpoint") == self._save_checkpoint:
-            del t.__dict__["_save_checkpoint"]
+        for name in ("_save_checkpoint", "_load_from_checkpoint"):
+            if t is not None and t.__dict__.get(name) == getattr(self, name):
+                del t.__dict__[name]
         self._installed_on = None
 
     def detach(self) -> None:
@@ -735,6 +745,60 @@ class FastPersistCallback(TrainerCallback):
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
 
+
+
+def verify_checkpoint_dir(path: str) -> int:
+    """Refuse a damaged ``checkpoint-N`` directory before the Trainer resumes from it.
+
+    Every file FastPersist wrote with a manifest (``optimizer.pt``, ``scheduler.pt``,
+    ``scaler.pt``) is checked byte for byte (:func:`fp_core.verify`); every safetensors file
+    must parse and be exactly as long as its header says. Raises
+    :class:`fp_core.CorruptCheckpointError` naming the file and the damaged record or
+    tensor. Returns the number of files checked.
+    """
+    from fp_core import CorruptCheckpointError, NotAFastPersistCheckpoint, verify
+
+    checked = 0
+    for name in sorted(os.listdir(path)):
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            continue
+        if name.endswith(".safetensors"):
+            _check_safetensors(f)
+            checked += 1
+            continue
+        if not zipfile.is_zipfile(f):
+            if name in (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME):  # always torch.save zips
+                raise CorruptCheckpointError(f, "<zip structure>", f"not a complete zip file (truncated?); "
+                                             f"refusing to resume from {path}")
+            continue  # json, text, legacy pickles: nothing to check them against
+        try:
+            verify(f)
+            checked += 1
+        except NotAFastPersistCheckpoint:
+            pass  # written by the Trainer itself (rng states, training_args.bin, json)
+        except CorruptCheckpointError as e:
+            raise CorruptCheckpointError(e.path, e.record, f"{e.detail}; refusing to resume from {path}",
+                                         tensor=e.tensor) from e
+    return checked
+
+
+def _check_safetensors(f: str) -> None:
+    import json
+    import struct
+
+    from fp_core import CorruptCheckpointError
+
+    size = os.path.getsize(f)
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise CorruptCheckpointError(f, "<safetensors header>", f"does not parse: {e}") from e
+    if 8 + n + end != size:
+        raise CorruptCheckpointError(f, "<safetensors data>", f"file is {size} bytes, header says {8 + n + end}")
 
 
 def _recover_output_dir(output_dir: str) -> None:

@@ -14,6 +14,8 @@ import warnings
 
 import pytest
 
+import fp_core
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -439,3 +441,35 @@ def test_torchrun_two_cpu_processes(tmp_path):
     assert checkpoints(out) == ["checkpoint-3", "checkpoint-6"]
     assert set(os.listdir(out / "checkpoint-3")) == files
     assert no_staging(out)
+
+
+def _flip_tensor_byte(path):
+    """Flip one byte inside the first storage record of a FastPersist file."""
+    rec = next(r for r in fp_core.inspect(path) if r.get("kind") == "storage" and r["size"] > 0)
+    with open(path, "r+b") as f:
+        f.seek(rec["offset"] + rec["size"] // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    return rec
+
+
+@pytest.mark.parametrize("damage", ["optimizer byte", "weights truncated"])
+def test_resume_refuses_a_corrupt_checkpoint(tmp_path, damage):
+    first, _ = make_trainer(tmp_path, fp=True, max_steps=4, save_steps=2)
+    first.train()
+    ck = tmp_path / "checkpoint-4"
+    if damage == "optimizer byte":
+        _flip_tensor_byte(ck / "optimizer.pt")
+        expect = "optimizer.pt"
+    else:
+        with open(ck / "model.safetensors", "r+b") as f:
+            f.truncate(os.path.getsize(ck / "model.safetensors") - 100)
+        expect = "model.safetensors"
+    second, _ = make_trainer(tmp_path, fp=True, max_steps=6, save_steps=2)
+    with pytest.raises(fp_core.CorruptCheckpointError, match=expect):
+        second.train(resume_from_checkpoint=True)
+    # the older checkpoint is intact and resumable
+    third, _ = make_trainer(tmp_path, fp=True, max_steps=6, save_steps=2)
+    third.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert third.state.global_step == 6
