@@ -177,7 +177,7 @@ class _FastPersistIOImpl:
     """Namespace-independent implementation; mixed into each namespace's ``CheckpointIO``."""
 
     def __init__(self, *, async_save: bool = True, policy: str = "auto", max_in_flight: int = 1,
-                 verify: bool = False, on_error: str = "raise", visible_pending: bool = True,
+                 verify: bool = True, on_error: str = "raise", visible_pending: bool = True,
                  on_commit: Any = None, keep_stats: int = 1000, storage_options: dict | None = None,
                  keep_local: bool = False, **options: Any) -> None:
         """
@@ -186,7 +186,10 @@ class _FastPersistIOImpl:
                 (still FastPersist's atomic, durable native writer).
             policy: "auto" | "overlap" | "snapshot", see ``fp_core.AsyncCheckpointer``.
             max_in_flight: saves not yet durable at once; a further save waits for the oldest.
-            verify: ``load_checkpoint`` checks every byte against the saved checksums.
+            verify: ``load_checkpoint`` (resume, ``load_from_checkpoint``) checks every byte of a
+                FastPersist checkpoint against its checksums and refuses a damaged one with
+                ``CorruptCheckpointError`` naming the tensor (default; files written by other
+                tools load unchecked). ``False`` skips the check (about 10% faster loads).
             on_error: "raise" (default): a failed background save fails ``fit()``; "warn": a
                 ``FastPersistWarning`` is issued and training continues.
             visible_pending: make a pending checkpoint's name exist at once (see module doc).
@@ -295,15 +298,23 @@ class _FastPersistIOImpl:
         if is_remote:
             if not fp_remote.exists(p, storage_options=self.storage_options):
                 raise FileNotFoundError(f"Checkpoint file not found: {path}")
-            return fp_core.load(p, map_location=map_location, weights_only=weights_only, verify=self.verify,
-                                storage_options=self.storage_options, keep_local=self.keep_local)
+            return self._load(p, map_location, weights_only,
+                              storage_options=self.storage_options, keep_local=self.keep_local)
         if not os.path.exists(p):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         if fp_commit.is_placeholder(p):
             raise CheckpointError(
                 f"checkpoint {path} is the placeholder of a FastPersist save that never finished (the writing "
                 "process was killed?); `fastpersist clean DIR`, or the next save into that directory, removes it")
-        return fp_core.load(p, map_location=map_location, weights_only=weights_only, verify=self.verify)
+        return self._load(p, map_location, weights_only)
+
+    def _load(self, p: str, map_location: Any, weights_only: bool | None, **remote: Any) -> dict[str, Any]:
+        if self.verify:
+            try:  # a damaged FastPersist checkpoint is refused, naming the record and tensor
+                return fp_core.load(p, map_location=map_location, weights_only=weights_only, verify=True, **remote)
+            except fp_core.NotAFastPersistCheckpoint:
+                pass  # written by another tool (stock Lightning): nothing to check it against
+        return fp_core.load(p, map_location=map_location, weights_only=weights_only, **remote)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` after every pending save (never under a write); silent if missing."""

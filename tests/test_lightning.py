@@ -190,6 +190,24 @@ def test_verify_on_load(tmp_path):
         io.load_checkpoint(p)
 
 
+def test_resume_refuses_a_damaged_checkpoint_by_default(tmp_path):
+    mc = ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    trainer(tmp_path, FastPersistIO(), [mc], max_steps=4).fit(Model())
+    last = tmp_path / "last.ckpt"
+    rec = next(r for r in fp_core.inspect(last) if r.get("kind") == "storage" and r["size"] > 64)
+    with open(last, "r+b") as f:  # flip one bit inside a tensor
+        f.seek(rec["offset"] + rec["size"] // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(fp_core.CorruptCheckpointError, match=rec["name"]):
+        trainer(tmp_path, FastPersistIO(), [], max_steps=6).fit(Model(), ckpt_path=str(last))
+    # a checkpoint written by the stock IO still loads through the plugin (nothing to verify)
+    stock = tmp_path / "stock.ckpt"
+    TorchCheckpointIO().save_checkpoint({"w": torch.ones(2)}, stock)
+    assert torch.equal(FastPersistIO().load_checkpoint(stock)["w"], torch.ones(2))
+
+
 # ---------------------------------------------------------------- with the Trainer
 
 
