@@ -70,8 +70,10 @@ shared files. Each checkpoint ends with a job on each rank's background worker t
 agrees with the other ranks (all-reduce of a success flag on a dedicated gloo group,
 created at ``on_train_begin``), after which the saving rank commits and rotates, then a
 barrier, so a rank's ``wait()`` returns only once the checkpoint is committed.
-NOTE: the shared files are written by one rank only; partitioning a file's bytes across
-data-parallel writers (DESIGN D4) is separate later work in fp_core. ``save_on_each_node``
+With ``all_ranks_write=True`` (``output_dir`` on a filesystem every rank sees), every rank
+writes a near-equal byte range of ``optimizer.pt`` — the largest shared file, identical on
+all data-parallel ranks — through ``fp_core``'s collective save; the other shared files
+(``model.safetensors``, scheduler, json) come from the saving rank. ``save_on_each_node``
 with a *shared* filesystem is not supported (two ranks would commit the same directory).
 
 FSDP, DeepSpeed, XLA/TPU, SageMaker MP, models sharded at load time, ``push_to_hub`` and
@@ -172,7 +174,7 @@ def intercept_safetensors_writes(ckptr: AsyncCheckpointer, handles: list) -> Ite
 
     def _save_file(tensors: dict, filename: Any, metadata: dict | None = None) -> None:
         handles.append(ckptr.save(dict(tensors), os.fspath(filename), format="safetensors",
-                                  metadata=metadata))
+                                  metadata=metadata, local=True))
 
     with _intercept_lock:
         orig_mu = getattr(mu, "safe_save_file", None)
@@ -289,7 +291,7 @@ class FastPersistCallback(TrainerCallback):
     def __init__(self, trainer: Trainer | None = None, *, policy: str = "auto", max_in_flight: int = 1,
                  on_error: str = "raise", fence_on_step_begin: bool | str = "auto",
                  remote_dir: str | None = None, storage_options: dict | None = None, keep_local: bool = False,
-                 verify_on_resume: bool = True, **engine_options: Any) -> None:
+                 verify_on_resume: bool = True, all_ranks_write: bool = False, **engine_options: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
         if max_in_flight < 1:
@@ -310,6 +312,7 @@ class FastPersistCallback(TrainerCallback):
         self.storage_options = storage_options
         self.keep_local = keep_local
         self.verify_on_resume = verify_on_resume
+        self.all_ranks_write = all_ranks_write
         self._uploaded_local: list[str] = []  # local copies uploaded, to drop when keep_local=False
         self.engine_options = engine_options
         self.trainer: Trainer | None = None
@@ -389,9 +392,10 @@ class FastPersistCallback(TrainerCallback):
             # optimizer.step(). The core's global step pre-hook is kept as a second guard
             # with on_error="raise"; with "warn" it is left out, because an error it
             # surfaced would be raised from inside optimizer.step(), past our handling.
+            group = torch.distributed.group.WORLD if self._collective() else None
             self._ckptr = AsyncCheckpointer(policy=self.policy, max_in_flight=1024,
                                             install_optimizer_hook=self.on_error == "raise",
-                                            **self.engine_options)
+                                            group=group, **self.engine_options)
         return self._ckptr
 
     # ------------------------------------------------------------------ errors
@@ -518,6 +522,16 @@ class FastPersistCallback(TrainerCallback):
         # the training collectives on the default group. Collective: every rank runs this here.
         self._group = torch.distributed.new_group(backend="gloo")
         self._group_ready = True
+        if self.all_ranks_write:
+            from fp_core.distributed import coordination_group
+
+            coordination_group(None)  # fp_core's own gloo group, created by every rank here
+
+    def _collective(self) -> bool:
+        """Every rank writes a share of optimizer.pt (all_ranks_write, shared filesystem)."""
+        tr = self.trainer
+        return (self.all_ranks_write and self._group_ready and tr is not None
+                and not tr.args.save_on_each_node and not tr.args.save_only_model)
 
     def _barrier(self) -> None:
         if self._group_ready:
@@ -569,16 +583,23 @@ class FastPersistCallback(TrainerCallback):
 
             # 3. optimizer, scheduler, scaler (async), RNG (tiny; the Trainer's own method)
             if not args.save_only_model:
-                if args.should_save:
+                if self._collective():
+                    # DP ranks hold the same optimizer state: each writes a near-equal byte range
+                    # of the one optimizer.pt (fp_core collective save; rank 0 names the file).
                     handles.append(ckptr.save(tr.optimizer.state_dict(), os.path.join(staging, OPTIMIZER_NAME)))
+                elif args.should_save:
+                    handles.append(ckptr.save(tr.optimizer.state_dict(), os.path.join(staging, OPTIMIZER_NAME),
+                                              local=True))
+                if args.should_save:
                     with warnings.catch_warnings(record=True) as caught:
                         sched_sd = tr.lr_scheduler.state_dict()
                     from transformers.trainer_pt_utils import reissue_pt_warnings
                     reissue_pt_warnings(caught)
-                    handles.append(ckptr.save(sched_sd, os.path.join(staging, SCHEDULER_NAME)))
+                    handles.append(ckptr.save(sched_sd, os.path.join(staging, SCHEDULER_NAME), local=True))
                     scaler = getattr(tr.accelerator, "scaler", None)
                     if scaler is not None:
-                        handles.append(ckptr.save(scaler.state_dict(), os.path.join(staging, SCALER_NAME)))
+                        handles.append(ckptr.save(scaler.state_dict(), os.path.join(staging, SCALER_NAME),
+                                                  local=True))
                 rng_before = set(os.listdir(staging))
                 tr._save_rng_state(staging)
                 sync_files += [os.path.join(staging, n) for n in sorted(set(os.listdir(staging)) - rng_before)]

@@ -395,9 +395,9 @@ DIST_SCRIPT = textwrap.dedent("""
     from test_hf import TokenDataset, tiny_bert, make_args, StopAt
     from transformers import Trainer
     from fp_integrations.hf import FastPersistCallback
-    out = sys.argv[1]
+    out, all_ranks_write = sys.argv[1], sys.argv[2] == "1"
     def trainer(cbs):
-        cb = FastPersistCallback()
+        cb = FastPersistCallback(all_ranks_write=all_ranks_write)
         t = Trainer(model=tiny_bert(), args=make_args(out, max_steps=6, save_steps=3), train_dataset=TokenDataset(),
                     callbacks=[cb] + cbs)
         return t, cb
@@ -408,14 +408,17 @@ DIST_SCRIPT = textwrap.dedent("""
     t2, cb2 = trainer([])
     t2.train(resume_from_checkpoint=True)
     assert t2.state.global_step == 6
+    opt = [h for h in cb2.records[-1].handles if h.path.endswith("optimizer.pt")]
     res = {{"rank": rank, "world": t.args.world_size, "records": [r.ok for r in cb2.records],
-           "files": sorted(os.listdir(os.path.join(out, "checkpoint-6")))}}
+           "files": sorted(os.listdir(os.path.join(out, "checkpoint-6"))),
+           "optimizer_writers": [h.result().writers for h in opt]}}
     with open(os.path.join(out, f"result_{{rank}}.json"), "w") as f:
         json.dump(res, f)
 """)
 
 
-def test_torchrun_two_cpu_processes(tmp_path):
+@pytest.mark.parametrize("all_ranks_write", [False, True])
+def test_torchrun_two_cpu_processes(tmp_path, all_ranks_write):
     script = tmp_path / "dist_train.py"
     script.write_text(DIST_SCRIPT.format(repo=REPO, here=os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "out"
@@ -424,7 +427,8 @@ def test_torchrun_two_cpu_processes(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(out)],
+                             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(out),
+                             "1" if all_ranks_write else "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -441,6 +445,10 @@ def test_torchrun_two_cpu_processes(tmp_path):
     assert checkpoints(out) == ["checkpoint-3", "checkpoint-6"]
     assert set(os.listdir(out / "checkpoint-3")) == files
     assert no_staging(out)
+    # optimizer.pt: written by rank 0 alone, or by both ranks, a byte range each
+    assert res[0]["optimizer_writers"] == [2 if all_ranks_write else 1]
+    assert res[1]["optimizer_writers"] == ([2] if all_ranks_write else [])
+    fp_core.verify(out / "checkpoint-6" / "optimizer.pt")
 
 
 def _flip_tensor_byte(path):
