@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import uuid
 
 import pytest
 
@@ -26,48 +25,6 @@ from fp_integrations.hf import download_checkpoint, remote_checkpoints  # noqa: 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 from s3_server import S3Server  # noqa: E402
 from test_hf import CKPT_FILES, StopAt, checkpoints, make_trainer, no_staging, optim_equal, state_equal  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "NO_PROXY", "no_proxy")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
-    srv = S3Server().start()
-    yield srv
-    srv.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture
-def s3(s3_server):
-    """(server, bucket URL, storage_options) with a fresh bucket; the server is up."""
-    if not s3_server.running:
-        s3_server.start()
-    bucket = "fp-" + uuid.uuid4().hex[:12]
-    s3_server.make_bucket(bucket)
-    yield s3_server, f"s3://{bucket}", s3_server.storage_options()
-    if not s3_server.running:
-        s3_server.start()
-
-
-@pytest.fixture
-def staging(tmp_path):
-    d = str(tmp_path / "staging")
-    remote.configure(staging_dir=d)
-    yield d
-    remote.configure(None, None)
-
-
-@pytest.fixture
-def fast_fail(monkeypatch):
-    import s3fs
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
 
 
 def names(urls):

@@ -30,21 +30,6 @@ from test_lightning import Model, assert_same, trainer  # noqa: E402
 # ---------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def s3_server():
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "NO_PROXY", "no_proxy")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
-    srv = S3Server().start()
-    yield srv
-    srv.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
 @pytest.fixture
 def s3(s3_server, monkeypatch):
     """(server, bucket URL) with a fresh bucket. fsspec itself is configured for the server,
@@ -59,21 +44,6 @@ def s3(s3_server, monkeypatch):
     yield s3_server, f"s3://{bucket}"
     if not s3_server.running:
         s3_server.start()
-
-
-@pytest.fixture
-def staging(tmp_path):
-    d = str(tmp_path / "staging")
-    remote.configure(staging_dir=d)
-    yield d
-    remote.configure(None, None)
-
-
-@pytest.fixture
-def fast_fail(monkeypatch):
-    import s3fs
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
 
 
 def staged_files(d: str) -> list[str]:

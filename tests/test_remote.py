@@ -20,47 +20,11 @@ from conftest import assert_identical  # noqa: E402
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
-from s3_server import S3Server  # noqa: E402
 
 MiB = 1 << 20
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "NO_PROXY", "no_proxy")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      NO_PROXY="127.0.0.1,localhost", no_proxy="127.0.0.1,localhost")
-    srv = S3Server().start()
-    yield srv
-    srv.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture
-def s3(s3_server):
-    """(server, bucket URL prefix, storage_options) with a fresh bucket; the server is up."""
-    if not s3_server.running:
-        s3_server.start()
-    bucket = "fp-" + uuid.uuid4().hex[:12]
-    s3_server.make_bucket(bucket)
-    yield s3_server, f"s3://{bucket}", s3_server.storage_options()
-    if not s3_server.running:
-        s3_server.start()
-
-
-@pytest.fixture
-def staging(tmp_path):
-    d = str(tmp_path / "staging")
-    remote.configure(staging_dir=d)
-    yield d
-    remote.configure(None, None)
 
 
 @pytest.fixture
@@ -72,14 +36,6 @@ def mem():
     yield fs, f"memory://{root}"
     if fs.exists(root):
         fs.rm(root, recursive=True)
-
-
-@pytest.fixture
-def fast_fail(monkeypatch):
-    """s3fs retries connection errors 5 times with backoff; once is enough here."""
-    import s3fs
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
 
 
 def state(seed: int = 0, n: int = 256) -> dict:
