@@ -61,6 +61,30 @@ def _default_snapshot_budget() -> int:
     return min(total // 4, 32 << 30)
 
 
+def fence_before_update(args: Any, kwargs: Any, fence: Callable[[], None]) -> Any:
+    """Body of a ``torch.optim`` step pre-hook that fences right before the update.
+
+    ``optimizer.step(closure)`` runs forward and backward inside the step, before the
+    update (Lightning's automatic optimization, LBFGS): the fence then runs after the
+    closure, so the write still overlaps them. Without a closure it runs now. Returns what
+    the hook returns (new ``(args, kwargs)`` or None).
+    """
+    def fenced(closure: Callable[[], Any]) -> Callable[[], Any]:
+        def fenced_closure() -> Any:
+            out = closure()
+            fence()
+            return out
+
+        return fenced_closure
+
+    if callable(kwargs.get("closure")):
+        return args, dict(kwargs, closure=fenced(kwargs["closure"]))
+    if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
+        return (args[0], fenced(args[1]), *args[2:]), kwargs
+    fence()
+    return None
+
+
 class Handle:
     """The future of one background job (a save, or a function queued with ``enqueue``)."""
 
@@ -469,23 +493,7 @@ class AsyncCheckpointer:
                 self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
-        # optimizer.step(closure) runs forward and backward inside the step, before the
-        # update (Lightning's automatic optimization, LBFGS): fence after the closure, so
-        # the write still overlaps them. Without a closure, fence now.
-        if callable(kwargs.get("closure")):
-            return args, dict(kwargs, closure=self._fenced(kwargs["closure"]))
-        if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
-            return (args[0], self._fenced(args[1]), *args[2:]), kwargs
-        self.fence()
-        return None
-
-    def _fenced(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        def fenced_closure() -> Any:
-            out = closure()
-            self.fence()
-            return out
-
-        return fenced_closure
+        return fence_before_update(args, kwargs, self.fence)
 
     def _maybe_remove_hook(self) -> None:
         with self._cv:

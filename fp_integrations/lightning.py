@@ -124,6 +124,7 @@ import fp_core
 from fp_core import AsyncCheckpointError, CheckpointError
 from fp_core import commit as fp_commit
 from fp_core import remote as fp_remote
+from fp_core.pipeline import fence_before_update
 
 log = logging.getLogger("fastpersist")
 
@@ -578,24 +579,8 @@ class _FastPersistIOImpl:
         self._torn_down = False  # training is running: saves are asynchronous again
         if self._ckpt is None:
             return None
-        # optimizer.step(closure): forward+backward run inside the step, before the update;
-        # fence after the closure so the write overlaps them.
-        if callable(kwargs.get("closure")):
-            closure = kwargs["closure"]
-            kwargs = dict(kwargs, closure=self._fenced(closure))
-            return args, kwargs
-        if len(args) > 1 and callable(args[1]):  # args[0] is the optimizer itself
-            return (args[0], self._fenced(args[1]), *args[2:]), kwargs
-        self.fence()
-        return None
-
-    def _fenced(self, closure: Any) -> Any:
-        def fenced_closure() -> Any:
-            out = closure()
-            self.fence()
-            return out
-
-        return fenced_closure
+        # fence after the step's closure (forward+backward), right before the update
+        return fence_before_update(args, kwargs, self.fence)
 
 
 class _FastPersistCallbackImpl:
