@@ -29,18 +29,8 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 import fp_core  # noqa: E402
-
-
-def fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
+from fp_core.procinfo import fd_count as fds  # noqa: E402
+from fp_core.procinfo import status_field as status  # noqa: E402
 
 
 def sample(i: int, t0: float) -> dict:

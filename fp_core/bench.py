@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .procinfo import status_field
+
 MiB = 1 << 20
 GiB = 1 << 30
 DEFAULT_SIZE = "1GiB"
@@ -147,11 +149,7 @@ def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------- measurement
 def _status_kib(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return 0
+    return status_field(field_name, 0)
 
 
 def reset_peak_rss() -> bool:
@@ -564,12 +562,16 @@ def format_report(res: dict[str, Any]) -> str:
                      f"{e.get('serialize_seconds', 0):.3f} s, write {e.get('write_seconds', 0):.3f} s "
                      f"(copy+crc {e.get('copy_seconds', 0):.3f} s summed over copy threads), "
                      f"sync {e.get('sync_seconds', 0):.3f} s, total {e.get('seconds', 0):.3f} s")
-    if res["targets"]:
-        lines.append("")
-        lines.append("Targets")
-        for t in res["targets"]:
-            lines.append(f"  [{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']}")
+    lines += format_targets(res["targets"])
     return "\n".join(lines)
+
+
+def format_targets(targets: list[dict[str, Any]], unit: str = "") -> list[str]:
+    """The PASS/FAIL lines that close a bench report."""
+    if not targets:
+        return []
+    return ["", "Targets"] + [f"  [{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']}{unit}"
+                              for t in targets]
 
 
 def plot(res: dict[str, Any], path: str) -> None:

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .bench import format_targets
+
 MODES = ("none", "torch", "lightning", "dcp", "overlap", "snapshot")
 LABELS = {
     "none": "no checkpoint",
@@ -361,11 +363,7 @@ def format_async(res: dict[str, Any]) -> str:
             snap = f", snapshot {s['snapshot_seconds']:.2f} s" if s.get("snapshot_seconds") else ""
             lines.append(f"  {r['mode']}: last save {s['seconds']:.2f} s in the background (write "
                          f"{s['write_seconds']:.2f} s{snap}, policy {s['policy']})")
-    if res["targets"]:
-        lines.append("")
-        lines.append("Targets")
-        for t in res["targets"]:
-            lines.append(f"  [{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']}%")
+    lines += format_targets(res["targets"], unit="%")
     return "\n".join(lines)
 
 

@@ -234,16 +234,8 @@ def assert_no_temps(directory: str) -> None:
 # ---------------------------------------------------------------- process resources
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
-def _status_field(name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(name + ":"):
-                return int(line.split()[1])
-    raise KeyError(name)
+from fp_core.procinfo import fd_count  # noqa: E402
+from fp_core.procinfo import status_field as _status_field  # noqa: E402
 
 
 def thread_count() -> int:

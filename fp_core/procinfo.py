@@ -1,0 +1,21 @@
+"""This process's resources from /proc: what the leak tests, the soak and the bench read."""
+
+from __future__ import annotations
+
+import os
+
+
+def fd_count() -> int:
+    """Open file descriptors."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+def status_field(name: str, default: int | None = None) -> int:
+    """A numeric field of /proc/self/status (``Threads``, ``VmRSS`` and ``VmHWM`` in KiB...)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(name + ":"):
+                return int(line.split()[1])
+    if default is None:
+        raise KeyError(name)
+    return default
