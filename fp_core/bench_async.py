@@ -51,6 +51,8 @@ def add_async_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--modes", default=",".join(MODES), help=f"comma list of {','.join(MODES)}")
     g.add_argument("--iters", type=int, default=8, help="measured iterations per mode (default 8)")
     g.add_argument("--warmup", type=int, default=2, help="warm-up iterations per mode (default 2)")
+    g.add_argument("--rounds", type=int, default=2,
+                   help="rounds; each runs every mode once, slowdowns are per-round medians (default 2)")
     g.add_argument("--width", type=int, default=3072, help="MLP width (default 3072)")
     g.add_argument("--layers", type=int, default=10, help="MLP layers (default 10: ~94M params, 1.1 GB ckpt)")
     g.add_argument("--batch", type=int, help="batch size (default: chosen so one step takes --compute-ms)")
@@ -283,7 +285,7 @@ def measure_writes(tr: Trainer, workdir: str, engine_options: dict[str, Any]) ->
 
 
 def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise SystemExit(f"--modes: unknown {bad}; choose from {','.join(MODES)}")
@@ -302,17 +304,18 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         f"batch {batch}, torch threads {torch.get_num_threads()}, engine options {eng or 'defaults'}")
     writes = measure_writes(tr, workdir, eng)
     log(f"write alone: fp_core.save {writes['fastpersist_save']:.2f} s, torch.save+fsync {writes['torch_save']:.2f} s")
-    results = []
-    for m in modes:
-        log(f"  {LABELS[m]} ...")
-        results.append(run_mode(m, tr, workdir, args.iters, args.warmup, eng))
+    # Rounds: every mode runs once per round and its slowdown is taken against the
+    # no-checkpoint run of the same round, so a drift of the machine (a shared VM's CPU
+    # and disk) over the minutes of the run does not land on whichever mode ran last.
+    rounds = max(1, getattr(args, "rounds", 1))
+    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    for rnd in range(rounds):
+        for m in modes:
+            log(f"  round {rnd + 1}/{rounds}: {LABELS[m]} ...")
+            per_mode[m].append(run_mode(m, tr, workdir, args.iters, args.warmup, eng))
+    results = [merge_rounds(per_mode[m], per_mode.get("none"), per_mode.get("torch")) for m in modes]
     base = next((r for r in results if r["mode"] == "none"), None)
-    sync = next((r for r in results if r["mode"] == "torch"), None)
-    for r in results:
-        r["slowdown"] = r["total_seconds"] / base["total_seconds"] - 1 if base else None
-        r["blocked_vs_torch_save"] = (r["blocked_per_ckpt"] / sync["blocked_per_ckpt"]
-                                      if sync and sync["blocked_per_ckpt"] else None)
-    res = {"checkpoint_bytes": nbytes, "params": nparams, "batch": batch, "iters": args.iters,
+    res = {"checkpoint_bytes": nbytes, "params": nparams, "batch": batch, "iters": args.iters, "rounds": rounds,
            "warmup": args.warmup, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
            "engine_options": eng, "compute_seconds": base["median_step"] if base else None,
            "write_alone_seconds": writes, "modes": results}
@@ -324,6 +327,26 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     else:
         print(format_async(res))
     return 0
+
+
+def merge_rounds(runs: list[dict[str, Any]], base: list[dict[str, Any]] | None,
+                 sync: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """One row from a mode's rounds: slowdown and blocked ratio are medians of per-round
+    values, each against the baseline (no checkpoint / torch.save) of the same round."""
+    steps = [x for r in runs for x in r["step_seconds"]]
+    out = dict(runs[-1])
+    out.update(step_seconds=steps, median_step=statistics.median(steps), mean_step=statistics.mean(steps),
+               total_seconds=sum(r["total_seconds"] for r in runs),
+               blocked_per_ckpt=statistics.mean(r["blocked_per_ckpt"] for r in runs),
+               drain_seconds=max(r["drain_seconds"] for r in runs))
+    out["slowdown_per_round"] = [r["total_seconds"] / b["total_seconds"] - 1 for r, b in zip(runs, base)] if base else []
+    out["slowdown"] = statistics.median(out["slowdown_per_round"]) if base else None
+    if sync and all(b["blocked_per_ckpt"] for b in sync):
+        out["blocked_vs_torch_save"] = statistics.median(
+            r["blocked_per_ckpt"] / b["blocked_per_ckpt"] for r, b in zip(runs, sync))
+    else:
+        out["blocked_vs_torch_save"] = None
+    return out
 
 
 def async_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
@@ -341,7 +364,7 @@ def async_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 def format_async(res: dict[str, Any]) -> str:
     w = res["write_alone_seconds"]
     lines = [f"checkpoint {res['checkpoint_bytes'] / 1e9:.2f} GB ({res['params'] / 1e6:.1f}M params + Adam), "
-             f"batch {res['batch']}, {res['iters']} iterations after {res['warmup']} warm-up, "
+             f"batch {res['batch']}, {res['rounds']} rounds x {res['iters']} iterations after {res['warmup']} warm-up, "
              f"torch threads {res['torch_threads']} of {res['cpus']} CPUs, engine {res['engine_options'] or 'defaults'}",
              f"compute per iteration (no checkpoint): {res['compute_seconds']:.2f} s; write alone: fp_core.save "
              f"{w['fastpersist_save']:.2f} s, torch.save+fsync {w['torch_save']:.2f} s", ""]

@@ -1,0 +1,60 @@
+"""The benchmark CLIs run end to end (tiny sizes) and report what their tables claim."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fp_core.bench import paired_ratio
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(args: list[str], cwd: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", "fp_core.bench", *args, "--json"], cwd=cwd,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def test_paired_ratio_pairs_rounds():
+    # round 1: row twice as fast as base; round 2: same speed; round 3: 4x
+    assert paired_ratio([1.0, 2.0, 0.5], [2.0, 2.0, 2.0]) == 2.0
+    assert paired_ratio([1.0], [3.0]) == 3.0
+
+
+def test_sync_bench_rounds_and_ratios(tmp_path):
+    out_dir = tmp_path / "out"
+    res = _bench(["--size", "8MiB", "--repeat", "2", "--dir", str(out_dir),
+                  "--only", "device,torch,fastpersist,load_torch,load_fastpersist"], cwd=str(tmp_path))
+    rows = {r["key"]: r for r in res["rows"]}
+    assert set(rows) == {"device", "torch", "fastpersist", "load_torch", "load_fastpersist"}
+    for r in rows.values():
+        assert not r["error"] and len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
+    targets = {t["target"]: t for t in res["targets"]}
+    want = paired_ratio(rows["fastpersist"]["seconds"], rows["device"]["seconds"])
+    assert targets["(f) >= 0.9 x (a)"]["value"] == round(want, 3)
+    want = paired_ratio(rows["load_fastpersist"]["seconds"], rows["load_torch"]["seconds"])
+    assert targets["fp_core.load >= 2 x torch.load (cold)"]["value"] == round(want, 3)
+    assert os.listdir(out_dir) == []  # every benchmark file removed
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_async_bench_rounds(tmp_path):
+    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,overlap,snapshot", "--iters", "2",
+                  "--warmup", "1", "--rounds", "2", "--width", "64", "--layers", "2", "--batch", "8"],
+                 cwd=str(tmp_path))
+    assert res["rounds"] == 2
+    modes = {m["mode"]: m for m in res["modes"]}
+    for m in modes.values():
+        assert len(m["step_seconds"]) == 4  # 2 rounds x 2 iterations
+        assert len(m["slowdown_per_round"]) == 2
+    assert modes["none"]["slowdown"] == 0.0
+    ov = modes["overlap"]
+    assert ov["slowdown"] == pytest.approx(sum(ov["slowdown_per_round"]) / 2)
+    assert {t["target"] for t in res["targets"]} >= {"overlap: slowdown <= 5%", "snapshot: slowdown <= 5%"}
