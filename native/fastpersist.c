@@ -349,14 +349,61 @@ static struct {
 
 typedef struct {
     void *p;
-    size_t size;
+    size_t size, align;
     unsigned gen; /* 0 = private */
 } sbuf_t;
+
+
+/* Staging buffers of 2 MiB and more are mapped 2 MiB-aligned and advised as
+ * transparent huge pages.  O_DIRECT pins the buffer's pages for every request
+ * and a virtual disk copies them out of guest memory: with 4 KiB pages that is
+ * 512x the page walks.  Measured on a firecracker VM: 2.22 GB/s zero-copy from
+ * huge pages vs 1.92 GB/s from 4 KiB pages (benchmarks/README.md).  Where THP
+ * is off the advice is ignored and the buffer is an ordinary mapping. */
+#define HUGE_SZ (2u << 20)
+static int stage_huge = -1;
+
+static size_t stage_map_len(size_t size) { return (size + HUGE_SZ - 1) / HUGE_SZ * HUGE_SZ; }
+
+static void *stage_alloc(size_t size, size_t align)
+{
+    if (stage_huge < 0) {
+        const char *e = getenv("FASTPERSIST_HUGE_STAGING");
+        stage_huge = !(e && e[0] == '0');
+    }
+    if (!stage_huge || size < HUGE_SZ || align > HUGE_SZ) {
+        void *p = NULL;
+        return posix_memalign(&p, align, size) == 0 ? p : NULL;
+    }
+    size_t len = stage_map_len(size);
+    char *raw = mmap(NULL, len + HUGE_SZ, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED)
+        return NULL;
+    char *p = (char *)(((uintptr_t)raw + HUGE_SZ - 1) & ~(uintptr_t)(HUGE_SZ - 1));
+    if (p > raw)
+        munmap(raw, (size_t)(p - raw));
+    if (raw + len + HUGE_SZ > p + len)
+        munmap(p + len, (size_t)(raw + len + HUGE_SZ - (p + len)));
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, len, MADV_HUGEPAGE);
+#endif
+    return p;
+}
+
+static void stage_free(void *p, size_t size, size_t align)
+{
+    if (!p)
+        return;
+    if (!stage_huge || size < HUGE_SZ || align > HUGE_SZ)
+        free(p);
+    else
+        munmap(p, stage_map_len(size));
+}
 
 static void pool_drop_free_locked(void)
 {
     for (size_t i = 0; i < pool.nfree; i++)
-        free(pool.free_list[i]);
+        stage_free(pool.free_list[i], pool.size, pool.align);
     pool.total -= pool.nfree;
     pool.nfree = 0;
 }
@@ -368,6 +415,7 @@ static int pool_get(sbuf_t *b, size_t size, size_t align)
     b->p = NULL;
     b->gen = 0;
     b->size = size;
+    b->align = align;
     pthread_mutex_lock(&pool.mu);
     if (pool.total == pool.nfree && (pool.total == 0 || size > pool.size || align > pool.align)) {
         /* nothing is out: (re)shape the pool for this request */
@@ -381,24 +429,22 @@ static int pool_get(sbuf_t *b, size_t size, size_t align)
         if (pool.nfree) {
             b->p = pool.free_list[--pool.nfree];
         } else {
-            if (posix_memalign(&b->p, pool.align, pool.size) != 0)
-                b->p = NULL;
-            else
+            b->p = stage_alloc(pool.size, pool.align);
+            if (b->p)
                 pool.total++;
         }
         if (b->p) {
             b->gen = pool.gen;
             b->size = pool.size;
+            b->align = pool.align;
         }
         pthread_mutex_unlock(&pool.mu);
         return b->p ? 0 : ENOMEM;
     }
     pthread_mutex_unlock(&pool.mu);
-    if (posix_memalign(&b->p, align, size) != 0) {
-        b->p = NULL;
-        return ENOMEM;
-    }
-    return 0;
+    b->p = stage_alloc(size, align);
+    b->align = align;
+    return b->p ? 0 : ENOMEM;
 }
 
 static void pool_put(sbuf_t *b)
@@ -427,7 +473,7 @@ static void pool_put(sbuf_t *b)
         }
         pthread_mutex_unlock(&pool.mu);
     }
-    free(b->p);
+    stage_free(b->p, b->size, b->align);
     b->p = NULL;
 }
 
@@ -1176,7 +1222,7 @@ static int pread_full(rjob_t *rj, char *buf, ll file_off, ll need, ll cap)
 static void *read_main(void *arg)
 {
     rjob_t *rj = arg;
-    sbuf_t buf = {NULL, 0, 0};
+    sbuf_t buf = {NULL, 0, 0, 0};
     for (;;) {
         pthread_mutex_lock(&rj->mu);
         if (rj->err || rj->next >= rj->nchunks) {
@@ -1190,7 +1236,13 @@ static void *read_main(void *arg)
         ll ws = rj->off > cs ? rj->off : cs;
         ll we = rj->off + rj->len < ce ? rj->off + rj->len : ce;
         int err = 0;
-        if (rj->direct) {
+        char *dst_chunk = rj->dst + (cs - rj->off);
+        if (rj->direct && ws == cs && we == ce && ((uintptr_t)dst_chunk % (uintptr_t)rj->mem_align) == 0) {
+            /* the caller's memory is aligned like the file here: no staging copy */
+            err = pread_full(rj, dst_chunk, cs, ce - cs, ce - cs);
+            if (!err && rj->checksum)
+                rj->crcs[k] = crc32c_update(0, dst_chunk, (size_t)(ce - cs));
+        } else if (rj->direct) {
             if (!buf.p) {
                 ll span = rj->aend - rj->base;
                 ll sz = span < rj->chunk ? span : rj->chunk;
@@ -1707,8 +1759,13 @@ static PyObject *Engine_write(EngineObject *self, PyObject *args, PyObject *kw)
             }
             PyList_SET_ITEM(lst, i, v);
         }
-        PyObject *stats = Py_BuildValue("{s:L,s:L,s:d,s:d,s:d,s:l,s:l,s:O}", "bytes", end - start, "bytes_padded",
-                                        endp - end, "seconds", wall, "copy_seconds", j.copy_seconds,
+        ll direct_bytes = 0;
+        for (int k = 0; k < n_items; k++)
+            if (items[k].direct)
+                direct_bytes += items[k].len;
+        PyObject *stats = Py_BuildValue("{s:L,s:L,s:L,s:d,s:d,s:d,s:l,s:l,s:O}", "bytes", end - start, "bytes_padded",
+                                        endp - end, "zero_copy_bytes", direct_bytes, "seconds", wall,
+                                        "copy_seconds", j.copy_seconds,
                                         "io_wait_seconds", j.io_wait, "requests", j.requests, "short_writes",
                                         j.short_writes, "backend", self->backend_str);
         if (!stats) {

@@ -313,6 +313,7 @@ def test_nonzero_start_and_zero_copy(tmp_path):
         _native.crc32c(tail),
         _native.crc32c(aligned[640 * KiB : 896 * KiB]),
     ]
+    assert stats["zero_copy_bytes"] == 512 * KiB + 256 * KiB  # e2 went through staging
 
 
 def test_empty_and_bad_extents(tmp_path):
@@ -421,6 +422,51 @@ def test_reader_roundtrip(tmp_path, direct):
             assert crc == _native.crc32c(data[off : off + length])
             assert out[:3].sum() == 0 and out[3 + length :].sum() == 0
         assert r.read_into(0, out.ctypes.data, 10) == 0  # no checksum
+
+
+def test_reader_aligned_destination_reads_without_staging(tmp_path):
+    """A destination aligned like the file is read into directly; edges still staged."""
+    rng = np.random.default_rng(23)
+    total = 9 * MiB + 123
+    data = rng.integers(0, 256, size=total, dtype=np.uint8)
+    path = tmp_path / "ra.bin"
+    path.write_bytes(data.tobytes())
+    with _native.Reader(str(path), direct=True) as r:
+        if not r.direct:
+            pytest.skip("O_DIRECT refused on this filesystem")
+        A = max(r.alignment, r.mem_alignment)
+        raw = np.zeros(total + 2 * A, dtype=np.uint8)
+        for off in (0, A, 3 * A + 5):  # congruent (aligned chunks direct) and not
+            length = total - off
+            skip = (off - raw.ctypes.data) % A  # dst address == file offset (mod A)
+            dst = raw[skip : skip + length]
+            dst[:] = 0
+            crc = r.read_into(off, dst.ctypes.data, length, checksum=True, threads=3, chunk_bytes=1 * MiB)
+            assert np.array_equal(dst, data[off:])
+            assert crc == _native.crc32c(data[off:])
+
+
+def test_huge_page_staging_off_writes_the_same_bytes(tmp_path):
+    """FASTPERSIST_HUGE_STAGING=0 (plain posix_memalign buffers) gives identical files."""
+    import subprocess
+    import sys
+
+    script = (
+        "import numpy as np, sys\n"
+        "from fp_core import _native\n"
+        "buf = np.arange(5 * 2**20 + 77, dtype=np.uint32).view(np.uint8)[: 5 * 2**20 + 77]\n"
+        "with _native.Engine(sys.argv[1], chunk_bytes=4 * 2**20) as e:\n"
+        "    e.write([(100, buf.ctypes.data, buf.size)], 0, 100 + buf.size)\n"
+        "    e.truncate(100 + buf.size)\n"
+    )
+    out = {}
+    for flag in ("0", "1"):
+        p = tmp_path / f"h{flag}.bin"
+        env = dict(os.environ, FASTPERSIST_HUGE_STAGING=flag)
+        subprocess.run([sys.executable, "-c", script, str(p)], env=env, check=True)
+        out[flag] = read_file(p)
+    expected = b"\0" * 100 + np.arange(5 * 2**20 + 77, dtype=np.uint32).view(np.uint8)[: 5 * 2**20 + 77].tobytes()
+    assert out["0"] == out["1"] == expected
 
 
 def test_reader_past_eof_and_read_fault(tmp_path):
