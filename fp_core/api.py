@@ -92,6 +92,7 @@ class PreparedSave:
         st.copy_seconds, st.write_seconds = rs.copy_seconds, rs.seconds
         st.device_copy_seconds = rs.device_copy_seconds
         st.requests, st.short_writes = rs.requests, rs.short_writes
+        st.extra["zero_copy_bytes"] = rs.zero_copy_bytes
         st.seconds = time.perf_counter() - self._t0
         return st
 

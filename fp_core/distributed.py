@@ -328,7 +328,8 @@ class CollectiveSave:
         stats.alignment = plan.alignment
         stats.write_seconds, stats.copy_seconds = rs.seconds, rs.copy_seconds
         stats.requests, stats.short_writes = rs.requests, rs.short_writes
-        stats.extra.update(rank_bytes=rs.bytes, writer_ranks=writers, tail_start=plan.tail_start)
+        stats.extra.update(rank_bytes=rs.bytes, writer_ranks=writers, tail_start=plan.tail_start,
+                           zero_copy_bytes=rs.zero_copy_bytes)
         stats.seconds = time.perf_counter() - self.t0
         return stats
 

@@ -43,6 +43,7 @@ class RangeStats:
     device_copy_seconds: float = 0.0
     requests: int = 0
     short_writes: int = 0
+    zero_copy_bytes: int = 0  # written straight from their source, no staging copy
 
     def add(self, native: dict, seconds: float) -> None:
         self.bytes += int(native.get("bytes", 0))
@@ -51,6 +52,7 @@ class RangeStats:
         self.io_wait_seconds += float(native.get("io_wait_seconds", 0.0))
         self.requests += int(native.get("requests", 0))
         self.short_writes += int(native.get("short_writes", 0))
+        self.zero_copy_bytes += int(native.get("zero_copy_bytes", 0))
 
 
 def _bytes_addr(data: bytes, keep: list) -> int:
@@ -132,23 +134,52 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
                 options: EngineOptions, stats: RangeStats) -> list[PieceCrc]:
     """Write the plan's bytes in [start, end); return the CRC of every storage piece written."""
     out: list[PieceCrc] = []
+    congruence = max(engine.alignment, engine.mem_alignment)
     for lo, hi in _batches(plan, start, end):
         pieces = sorted(plan.pieces(lo, hi), key=lambda p: p.offset)
         staged = _stage_device_storages(pieces, stats)
         try:
             keep: list = []
-            extents = [
-                (p.offset, _bytes_addr(p.skeleton, keep) if p.skeleton is not None else _piece_addr(p), p.length)
-                for p in pieces
-            ]
+            extents: list[tuple[int, int, int]] = []
+            owners: list[Piece | None] = []
+            for p in pieces:
+                if p.skeleton is not None:
+                    extents.append((p.offset, _bytes_addr(p.skeleton, keep), p.length))
+                    owners.append(None)
+                    continue
+                for ext in split_congruent(p.offset, _piece_addr(p), p.length, congruence):
+                    extents.append(ext)
+                    owners.append(p)
             t0 = time.perf_counter()
-            crcs, native_stats = engine.write(extents, lo, hi, checksum=True)
+            crcs, native_stats = engine.write(extents, lo, hi, checksum=True, zero_copy=True)
             stats.add(native_stats, time.perf_counter() - t0)
         finally:
             _release(staged)
-        for p, crc in zip(pieces, crcs):
-            if p.storage is not None:
-                out.append(PieceCrc(p.storage.record, p.storage_start, p.length, crc))
+        for p, (off, _, n), crc in zip(owners, extents, crcs):
+            if p is not None:
+                out.append(PieceCrc(p.storage.record, p.storage_start + (off - p.offset), n, crc))
+    return out
+
+
+def split_congruent(offset: int, addr: int, length: int, congruence: int) -> list[tuple[int, int, int]]:
+    """Cut one extent so that its block-aligned middle can be written without staging.
+
+    When the source address and the file offset agree modulo ``congruence`` (a snapshot
+    arena is carved that way), the middle starts on a block boundary in memory and in
+    the file, and the engine writes it straight from the source (``zero_copy``); the
+    head and tail share staging blocks with their neighbours. Live tensors (torch
+    allocates them at page + 64) do not agree and stay one staged extent.
+    """
+    if length < congruence or (addr - offset) % congruence:
+        return [(offset, addr, length)]
+    head = -offset % congruence
+    mid = (length - head) // congruence * congruence
+    if not mid:
+        return [(offset, addr, length)]
+    out = [(offset, addr, head)] if head else []
+    out.append((offset + head, addr + head, mid))
+    if length - head - mid:
+        out.append((offset + head + mid, addr + head + mid, length - head - mid))
     return out
 
 

@@ -357,6 +357,36 @@ def test_small_chunks_and_deep_queue(disk_dir):
     )
 
 
+def test_page_aligned_tensors_are_written_without_staging(disk_dir):
+    """Storages whose memory is aligned like their file offset skip the staging copy."""
+    page = 4096
+    raw = np.empty(8 * MiB + 3 * page, dtype=np.uint8)
+    aligned = raw[-raw.ctypes.data % page:]
+    a = torch.from_numpy(aligned[: 4 * MiB + 100]).view(torch.uint8)
+    a.copy_(torch.randint(0, 256, a.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(5)))
+    b = torch.randn(300_001)  # torch's allocation: page + 64, staged
+    stats = roundtrip({"a": a, "b": b}, os.path.join(disk_dir, "aligned.pt"))
+    assert 4 * MiB <= stats.extra["zero_copy_bytes"] <= 4 * MiB + 100
+
+
+@pytest.mark.parametrize("offset,addr,length", [
+    (8192, 4096 * 7, 3 * 4096 + 10),  # congruent, aligned start: middle + tail
+    (8192 + 64, 4096 * 7 + 64, 5 * 4096),  # congruent, head + middle + tail
+    (8192, 4096 * 7 + 64, 5 * 4096),  # not congruent: one extent
+    (8192 + 64, 4096 * 7 + 64, 4096),  # too short for a whole block
+])
+def test_split_congruent_tiles_the_extent(offset, addr, length):
+    from fp_core.writer import split_congruent
+    parts = split_congruent(offset, addr, length, 4096)
+    pos = offset
+    for off, ad, n in parts:
+        assert off == pos and ad - addr == off - offset and n > 0
+        pos += n
+    assert pos == offset + length
+    aligned = [p for p in parts if p[0] % 4096 == 0 and p[1] % 4096 == 0 and p[2] % 4096 == 0]
+    assert len(aligned) == (1 if (addr - offset) % 4096 == 0 and length - (-offset % 4096) >= 4096 else 0)
+
+
 # ====================================================================== error cases
 
 

@@ -96,6 +96,9 @@ def test_checkpoint_equals_state_at_save_time(disk_dir, policy, baseline_hooks):
     assert running_at_step, "the checkpoint finished before step(): make it bigger or the disk slower"
     st = h.result()
     assert st.policy == policy
+    if policy == "snapshot":  # the page-aligned arena copies are written without staging
+        big = sum(t.numel() * t.element_size() for t in state["model"].values() if t.numel() * t.element_size() > MiB)
+        assert st.extra["zero_copy_bytes"] >= big - 2 * MiB
     fp_core.verify(path)
     assert_identical(expected, torch.load(path, weights_only=True))
     assert_identical(expected, fp_core.load(path, verify=True))
@@ -116,6 +119,22 @@ def test_auto_policy_and_budget(disk_dir):
         assert h.result().policy == "overlap"  # over budget: falls back (with a warning)
     for n in "abc":
         assert_identical(state, fp_core.load(os.path.join(disk_dir, f"{n}.pt"), verify=True))
+
+
+def test_writer_thread_runs_at_lower_priority(disk_dir):
+    """The writer (and the engine threads it starts) yields the CPUs to training."""
+    seen = []
+
+    def on_commit(path, stats):  # runs on the writer thread
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    with AsyncCheckpointer(writer_nice=5) as ckpt:
+        ckpt.save({"x": torch.ones(10)}, os.path.join(disk_dir, "n.pt"), on_commit=on_commit)
+    with AsyncCheckpointer(writer_nice=0) as ckpt:
+        ckpt.save({"x": torch.ones(10)}, os.path.join(disk_dir, "n0.pt"), on_commit=on_commit)
+    assert seen == [min(19, base + 5), base]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # caller untouched
 
 
 # ====================================================================== optimizer hook
