@@ -42,7 +42,7 @@ from .engine import EngineOptions
 from .errors import CheckpointError
 from .plan import StorageExtent
 from .stats import SaveStats
-from .writer import copy_to_host
+from .writer import copy_to_host, snapshot_to_host
 
 log = logging.getLogger("fastpersist")
 
@@ -468,7 +468,7 @@ class AsyncCheckpointer:
                 t0 = time.perf_counter()
                 arena = self._take_arena(big)
                 try:
-                    copy_to_host(big, into=arena.carve([s.length for s in big]), background=True)
+                    snapshot_to_host(big, arena.carve([s.length for s in big]))
                 except Exception as e:
                     if isinstance(prepared, CollectiveSave):
                         prepared.fail(e)  # the other ranks must still hear of it
@@ -482,7 +482,7 @@ class AsyncCheckpointer:
         finally:
             handle._staged.set()
             for s in big:
-                s.host = None
+                s.host, s.host_crcs = None, None
             if arena is not None:
                 self._give_arena(arena)
         if on_commit is not None:

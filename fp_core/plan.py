@@ -45,6 +45,9 @@ class StorageExtent:
     source: torch.Tensor
     record: int  # index into Manifest.records (or the tensor's index for safetensors)
     host: torch.Tensor | None = None
+    # CRC-32C of ranges of ``host`` computed while it was copied, by (start, length)
+    # inside the storage: the writer passes them on instead of reading the bytes again.
+    host_crcs: dict[tuple[int, int], int] | None = None
 
     @property
     def end(self) -> int:

@@ -66,14 +66,11 @@ def _piece_addr(piece: Piece) -> int:
     return piece.storage.addr() + piece.storage_start
 
 
-def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None = None,
-                 background: bool = False) -> None:
+def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None = None) -> None:
     """Give each extent a host copy (``host``), device sources via a side CUDA stream.
 
     ``into``, when given, are preallocated uint8 buffers of the same lengths (a snapshot
-    arena); otherwise pinned (CUDA) or plain host buffers are allocated. ``background``
-    copies CPU tensors on the calling thread alone (numpy, GIL released) instead of
-    torch's intra-op pool, which the training loop is using at the same time.
+    arena); otherwise pinned (CUDA) or plain host buffers are allocated.
     """
     streams: dict[torch.device, Any] = {}
     for i, s in enumerate(extents):
@@ -85,13 +82,36 @@ def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None =
             stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 buf.copy_(s.source, non_blocking=True)
-        elif background:
-            np.copyto(buf.numpy(), s.source.numpy())
         else:
             buf.copy_(s.source)
         s.host = buf
     for stream in streams.values():
         stream.synchronize()
+
+
+SNAPSHOT_CONGRUENCE = 4096  # storages start on 4 KiB in the file and in a snapshot arena
+
+
+def snapshot_to_host(extents: list[StorageExtent], into: list[torch.Tensor]) -> None:
+    """Copy CPU storages into ``into`` (a page-aligned snapshot arena), checksumming as they
+    are copied: one pass over the source, no second read of the copy by the writer.
+
+    The CRCs are recorded for the ranges :func:`split_congruent` will cut each storage
+    into, so the writer finds them for the zero-copy middle and the staged tail. Device
+    storages go through :func:`copy_to_host`.
+    """
+    device = [(s, buf) for s, buf in zip(extents, into) if s.source.device.type != "cpu"]
+    if device:
+        copy_to_host([s for s, _ in device], into=[b for _, b in device])
+    for s, buf in zip(extents, into):
+        if s.source.device.type != "cpu":
+            continue
+        src, dst = s.source.data_ptr(), buf.data_ptr()
+        crcs = {}
+        for _, addr, n in split_congruent(s.offset, dst, s.length, SNAPSHOT_CONGRUENCE):
+            start = addr - dst
+            crcs[(start, n)] = _native.copy_crc32c(addr, src + start, n)
+        s.host, s.host_crcs = buf, crcs
 
 
 def _stage_device_storages(pieces: list[Piece], stats: RangeStats) -> list[StorageExtent]:
@@ -140,22 +160,24 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
         staged = _stage_device_storages(pieces, stats)
         try:
             keep: list = []
-            extents: list[tuple[int, int, int]] = []
+            extents: list[tuple] = []  # (file_offset, addr, length[, known crc])
             owners: list[Piece | None] = []
             for p in pieces:
                 if p.skeleton is not None:
                     extents.append((p.offset, _bytes_addr(p.skeleton, keep), p.length))
                     owners.append(None)
                     continue
-                for ext in split_congruent(p.offset, _piece_addr(p), p.length, congruence):
-                    extents.append(ext)
+                known = p.storage.host_crcs if p.storage.host is not None else None
+                for off, addr, n in split_congruent(p.offset, _piece_addr(p), p.length, congruence):
+                    crc = known.get((p.storage_start + off - p.offset, n)) if known else None
+                    extents.append((off, addr, n, crc))
                     owners.append(p)
             t0 = time.perf_counter()
             crcs, native_stats = engine.write(extents, lo, hi, checksum=True, zero_copy=True)
             stats.add(native_stats, time.perf_counter() - t0)
         finally:
             _release(staged)
-        for p, (off, _, n), crc in zip(owners, extents, crcs):
+        for p, (off, _, n, *_), crc in zip(owners, extents, crcs):
             if p is not None:
                 out.append(PieceCrc(p.storage.record, p.storage_start + (off - p.offset), n, crc))
     return out

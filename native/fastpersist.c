@@ -726,6 +726,8 @@ typedef struct {
     ll off;
     uint64_t addr;
     ll len;
+    int has_crc;  /* the caller knows this extent's CRC-32C (computed while copying it) */
+    uint32_t crc;
 } extent_t;
 
 typedef struct {
@@ -820,7 +822,7 @@ static int fill_slot(job_t *j, int s, int k)
     sl->first = 1;
     sl->fault_errno = 0;
     if (it->direct) {
-        if (j->checksum)
+        if (j->checksum && !j->ext[it->e_lo].has_crc)
             j->pieces[it->piece_base] = crc32c_update(0, (const void *)(uintptr_t)it->src, (size_t)it->len);
         sl->ptr = (char *)(uintptr_t)it->src;
         return 0;
@@ -1523,14 +1525,25 @@ static int parse_extents(PyObject *obj, extent_t **out, int *nout)
         PyObject *ts = PySequence_Fast(t, "each extent must be a (file_offset, addr, length) tuple");
         if (!ts)
             goto fail;
-        if (PySequence_Fast_GET_SIZE(ts) != 3) {
+        Py_ssize_t k = PySequence_Fast_GET_SIZE(ts);
+        if (k != 3 && k != 4) {
             Py_DECREF(ts);
-            PyErr_Format(PyExc_ValueError, "extent %zd must have 3 items (file_offset, addr, length)", i);
+            PyErr_Format(PyExc_ValueError,
+                         "extent %zd must have 3 or 4 items (file_offset, addr, length[, known_crc32c])", i);
             goto fail;
         }
         ext[i].off = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(ts, 0));
         ext[i].addr = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(ts, 1));
         ext[i].len = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(ts, 2));
+        ext[i].has_crc = 0;
+        ext[i].crc = 0;
+        if (k == 4 && PySequence_Fast_GET_ITEM(ts, 3) != Py_None) {
+            unsigned long long c = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(ts, 3));
+            if (!PyErr_Occurred() && c > 0xFFFFFFFFull)
+                PyErr_Format(PyExc_ValueError, "extent %zd: known_crc32c does not fit 32 bits", i);
+            ext[i].has_crc = 1;
+            ext[i].crc = (uint32_t)c;
+        }
         Py_DECREF(ts);
         if (PyErr_Occurred())
             goto fail;
@@ -1731,6 +1744,9 @@ static PyObject *Engine_write(EngineObject *self, PyObject *args, PyObject *kw)
                                              (uint64_t)(b - a));
             }
         }
+        for (int e = 0; e < n_ext; e++)
+            if (ext[e].has_crc)
+                crcs[e] = ext[e].crc;
     }
     for (int i = 0; i < j.n_slots; i++) {
         if (j.leak_slots)
@@ -1868,8 +1884,11 @@ static PyMethodDef Engine_methods[] = {
     {"write", (PyCFunction)(void (*)(void))Engine_write, METH_VARARGS | METH_KEYWORDS,
      "write(extents, start, end, *, checksum=True, zero_copy=False) -> (crcs, stats)\n\n"
      "Write the file range [start, end) (padded with zeros up to a multiple of alignment).\n"
-     "extents: sorted, non-overlapping (file_offset, addr, length) tuples inside [start, end);\n"
-     "bytes not covered are zeros.  crcs[i] is the CRC-32C of extent i (0 without checksum)."},
+     "extents: sorted, non-overlapping (file_offset, addr, length[, known_crc32c]) tuples inside\n"
+     "[start, end); bytes not covered are zeros.  crcs[i] is the CRC-32C of extent i (0 without\n"
+     "checksum); a known_crc32c (not None) is returned as is and not recomputed for bytes written\n"
+     "zero-copy.  zero_copy: extents aligned in memory and file are written from their memory.\n"
+     "stats['zero_copy_bytes'] counts those bytes."},
     {"truncate", (PyCFunction)Engine_truncate, METH_O, "truncate(size): ftruncate the file."},
     {"sync", (PyCFunction)Engine_sync, METH_NOARGS, "sync(): fdatasync the file (GIL released)."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "close(): close the ring and the file; idempotent."},
@@ -2229,6 +2248,24 @@ static PyObject *mod_crc32c_addr(PyObject *m, PyObject *args, PyObject *kw)
     return PyLong_FromUnsignedLong(r);
 }
 
+static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"dst", "src", "length", NULL};
+    unsigned long long dst, src;
+    ll len;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKL", kwlist, &dst, &src, &len))
+        return NULL;
+    if (len < 0 || (len > 0 && (dst == 0 || src == 0))) {
+        PyErr_SetString(PyExc_ValueError, "invalid address or length");
+        return NULL;
+    }
+    uint32_t r;
+    Py_BEGIN_ALLOW_THREADS
+    r = copy_crc((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)len, 0, 1);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(r);
+}
+
 static PyObject *mod_crc32c_combine(PyObject *m, PyObject *args)
 {
     unsigned long c1, c2;
@@ -2315,6 +2352,9 @@ static PyMethodDef module_methods[] = {
      "crc32c(data, crc=0) -> int: CRC-32C (Castagnoli) of a buffer, continuing crc."},
     {"crc32c_addr", (PyCFunction)(void (*)(void))mod_crc32c_addr, METH_VARARGS | METH_KEYWORDS,
      "crc32c_addr(addr, length, crc=0) -> int: CRC-32C of raw memory (GIL released)."},
+    {"copy_crc32c", (PyCFunction)(void (*)(void))mod_copy_crc32c, METH_VARARGS | METH_KEYWORDS,
+     "copy_crc32c(dst, src, length) -> int: copy raw memory (streaming stores) and return the\n"
+     "CRC-32C of the bytes, in one pass (GIL released). The ranges must not overlap."},
     {"crc32c_combine", (PyCFunction)mod_crc32c_combine, METH_VARARGS,
      "crc32c_combine(crc1, crc2, len2) -> int: CRC-32C of A||B from crc(A), crc(B) and len(B)."},
     {"release_staging", (PyCFunction)mod_release_staging, METH_NOARGS,

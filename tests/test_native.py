@@ -316,6 +316,42 @@ def test_nonzero_start_and_zero_copy(tmp_path):
     assert stats["zero_copy_bytes"] == 512 * KiB + 256 * KiB  # e2 went through staging
 
 
+def test_copy_crc32c_copies_and_checksums():
+    rng = np.random.default_rng(29)
+    src = rng.integers(0, 256, size=3 * MiB + 77, dtype=np.uint8)
+    for lo, n in ((0, src.size), (5, 1000), (64, 2 * MiB), (3, 0)):
+        dst = np.zeros(n + 16, dtype=np.uint8)
+        crc = _native.copy_crc32c(dst.ctypes.data + 8, src.ctypes.data + lo, n)
+        assert crc == _native.crc32c(src[lo : lo + n])
+        assert np.array_equal(dst[8 : 8 + n], src[lo : lo + n])
+        assert not dst[:8].any() and not dst[8 + n :].any()
+    with pytest.raises(ValueError):
+        _native.copy_crc32c(0, src.ctypes.data, 10)
+
+
+def test_known_crc_is_passed_through_for_zero_copy_extents(tmp_path):
+    """A caller that checksummed while copying hands the CRC in; it is not recomputed."""
+    rng = np.random.default_rng(31)
+    with _native.Engine(str(tmp_path / "k.bin"), chunk_bytes=64 * KiB) as eng:
+        M = max(eng.alignment, eng.mem_alignment)
+        raw = rng.integers(0, 256, size=1 * MiB + 2 * M, dtype=np.uint8)
+        src = raw[(-raw.ctypes.data) % M :][: 1 * MiB]
+        tail = rng.integers(0, 256, size=300, dtype=np.uint8)
+        sentinel = 0x12345678  # not the real CRC: proves the engine used the caller's
+        extents = [(0, src.ctypes.data, src.size, sentinel), (src.size, tail.ctypes.data, 300, None)]
+        crcs, stats = eng.write(extents, 0, src.size + 300, zero_copy=True)
+        eng.truncate(src.size + 300)
+        assert crcs == [sentinel, _native.crc32c(tail)]
+        assert stats["zero_copy_bytes"] == src.size
+        crcs, _ = eng.write([(0, src.ctypes.data, src.size, None)], 0, src.size, zero_copy=True)
+        assert crcs == [_native.crc32c(src)]
+        with pytest.raises(ValueError, match="32 bits"):
+            eng.write([(0, src.ctypes.data, src.size, 1 << 40)], 0, src.size)
+        with pytest.raises(ValueError, match="3 or 4 items"):
+            eng.write([(0, src.ctypes.data)], 0, src.size)
+    assert read_file(tmp_path / "k.bin") == src.tobytes() + tail.tobytes()
+
+
 def test_empty_and_bad_extents(tmp_path):
     path = tmp_path / "e.bin"
     with _native.Engine(str(path)) as eng:
