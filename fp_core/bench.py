@@ -386,6 +386,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     os.makedirs(args.dir, exist_ok=True)
     opts = _opts_from_args(args)
     repeat = max(1, args.repeat)
+    warmup = max(0, args.warmup_rounds)
 
     t0 = time.perf_counter()
     sd = make_state_dict(args.size)
@@ -440,8 +441,12 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     save_keys = [k for k in SAVE_ROWS if k in only]
     for key in save_keys:
         rows[key] = Row(key, LABELS[key], "save", nbytes)
-    for rnd in range(repeat):
-        log(f"  save round {rnd + 1}/{repeat}")
+    for rnd in range(-warmup, repeat):
+        if rnd == 0:  # warm-up rounds are not counted
+            for key in save_keys:
+                rows[key].seconds.clear()
+            fp_stats.clear()
+        log(f"  save round {rnd + 1}/{repeat}" if rnd >= 0 else "  save warm-up round")
         for key in save_keys:
             row = rows[key]
             if row.error:
@@ -501,15 +506,21 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             drop_check = cache_drop_check(path)
             log(f"  page-cache drop check on {os.path.basename(path)}: first 256 MiB read cold "
                 f"{drop_check['cold_gbps']:.2f} GB/s, warm {drop_check['warm_gbps']:.2f} GB/s")
-    for rnd in range(repeat):
-        log(f"  load round {rnd + 1}/{repeat}")
+    for rnd in range(-warmup, repeat):
+        if rnd == 0:  # warm-up rounds are not counted
+            for key in load_keys:
+                rows[key].seconds.clear()
+        log(f"  load round {rnd + 1}/{repeat}" if rnd >= 0 else "  load warm-up round")
         for key in load_keys:
             row = rows[key]
             if row.error:
                 continue
             path, fn = loaders[key]
             try:
-                measure(row, fn, 1, before=lambda p=path: drop_cache(p))
+                # Every bench file leaves the page cache, not only this row's: pages an
+                # earlier row left behind (mmap rows touch a whole file) would otherwise
+                # have to be reclaimed inside this row's allocations.
+                measure(row, fn, 1, before=lambda: [drop_cache(p) for p, _ in loaders.values() if os.path.exists(p)])
             except Exception as e:  # noqa: BLE001
                 row.error = f"{type(e).__name__}: {e}"
                 log(f"    {row.label} failed: {row.error}")
@@ -522,6 +533,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         "tensors": n_tensors,
         "dir": os.path.abspath(args.dir),
         "repeat": repeat,
+        "warmup_rounds": warmup,
         "engine_options": opts,
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
@@ -570,8 +582,8 @@ def format_report(res: dict[str, Any]) -> str:
     rows = res["rows"]
     by = {r["key"]: r for r in rows}
     lines = [f"checkpoint: {fmt_bytes(res['size_bytes'])} of tensors ({res['tensors']} tensors), "
-             f"median of {res['repeat']} rounds (each round runs every row once; ratios are medians of "
-             f"per-round ratios), dir {res['dir']}, {res['cpus']} CPUs"]
+             f"median of {res['repeat']} rounds after {res.get('warmup_rounds', 0)} warm-up (each round runs "
+             f"every row once; ratios are medians of per-round ratios), dir {res['dir']}, {res['cpus']} CPUs"]
 
     def ratio(r: dict, base: str) -> str:
         b = by.get(base)
@@ -647,6 +659,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=parse_size, default=parse_size(DEFAULT_SIZE),
                         help=f"checkpoint size, e.g. 512MiB, 4GiB (default {DEFAULT_SIZE})")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (each runs every row once); medians are reported (default 3)")
+    parser.add_argument("--warmup-rounds", dest="warmup_rounds", type=int, default=1,
+                        help="uncounted rounds first (first writes and reads of a run are outliers; default 1)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
     parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart of GB/s")
     parser.add_argument("--only", metavar="ROWS", help=f"comma list of rows: {','.join(ALL_ROWS)}")
