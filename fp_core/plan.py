@@ -6,21 +6,15 @@ checksums only see ``pieces`` — ``(file_offset, length, source)`` — that til
 
 from __future__ import annotations
 
-import struct
-import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import _native
+from . import _native, ziptail
 from .manifest import RECORD_SUFFIX, TAIL_COMMENT, Manifest, RecordInfo
 from .skeleton import SparseFile, capture
-
-_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # zip local file header, 30 bytes
-_LOCAL_SIG = 0x04034B50
-_CENTRAL_SIG = 0x02014B50
 
 
 def align_down(x: int, a: int) -> int:
@@ -150,39 +144,19 @@ def _tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, 
     return names
 
 
-def _local_data_offset(sparse: SparseFile, header_offset: int) -> int:
-    fields = _LOCAL_HEADER.unpack(sparse.pread(header_offset, _LOCAL_HEADER.size))
-    if fields[0] != _LOCAL_SIG:
-        raise RuntimeError(f"no zip local header at {header_offset}")
-    return header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-
-
-def _central_entry_offset(sparse: SparseFile, start_dir: int, name: str) -> int:
-    pos, target = start_dir, name.encode()
-    while True:
-        head = sparse.pread(pos, 46)
-        if struct.unpack_from("<I", head)[0] != _CENTRAL_SIG:
-            raise RuntimeError(f"central directory entry for {name} not found")
-        n, e, c = struct.unpack_from("<HHH", head, 28)
-        if sparse.pread(pos + 46, n) == target:
-            return pos
-        pos += 46 + n + e + c
-
-
 def build(obj: Any, alignment: int = 4096) -> FilePlan:
     """Capture ``obj``'s torch.save skeleton and lay out the file, manifest included."""
     sparse, storages_by_key = capture(obj, alignment)
     names = _tensor_names(obj)
 
-    # One pass of zipfile over the skeleton: read torch's records, then append ours.
-    z = zipfile.ZipFile(sparse, mode="a")
-    infos = list(z.infolist())
-    prefix = infos[0].filename.split("/", 1)[0]
+    # Read torch's records from the skeleton's central directory, then append ours.
+    directory = ziptail.read_directory(sparse)
+    prefix = directory.entries[0].name.split("/", 1)[0]
     records: list[RecordInfo] = []
     storages: list[StorageExtent] = []
-    for info in infos:
-        data_offset = _local_data_offset(sparse, info.header_offset)
-        rel = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
+    for entry in directory.entries:
+        data_offset = ziptail.local_data_offset(sparse, entry.header_offset)
+        rel = entry.name.split("/", 1)[1] if "/" in entry.name else entry.name
         key = rel[len("data/") :] if rel.startswith("data/") else None
         if key is not None and key in storages_by_key:
             storage, dtype, nbytes = storages_by_key[key]
@@ -192,22 +166,16 @@ def build(obj: Any, alignment: int = 4096) -> FilePlan:
             dtype_name = str(dtype).removeprefix("torch.")
             if dtype == torch.uint8 and tensor_dtype is not None:
                 dtype_name = tensor_dtype
-            rec = RecordInfo(info.filename, data_offset, nbytes, tensor=tensor, dtype=dtype_name, kind="storage")
+            rec = RecordInfo(entry.name, data_offset, nbytes, tensor=tensor, dtype=dtype_name, kind="storage")
             if nbytes:
                 storages.append(StorageExtent(data_offset, nbytes, byte_view(storage), len(records)))
         else:
-            rec = RecordInfo(info.filename, data_offset, info.file_size, kind="record")
+            rec = RecordInfo(entry.name, data_offset, entry.file_size, kind="record")
         records.append(rec)
 
     manifest = Manifest(file_size=0, alignment=alignment, records=records)
     reserved = manifest.reserved_size()
-    manifest_name = f"{prefix}/{RECORD_SUFFIX}"
-    zinfo = zipfile.ZipInfo(manifest_name, date_time=(1980, 1, 1, 0, 0, 0))
-    with z:
-        z.writestr(zinfo, b" " * reserved)
-        z.comment = TAIL_COMMENT
-        minfo = z.getinfo(manifest_name)
-        start_dir = z.start_dir  # where the new central directory goes, after our record
+    added = ziptail.append_stored(sparse, directory, f"{prefix}/{RECORD_SUFFIX}", b" " * reserved, TAIL_COMMENT)
     manifest.file_size = sparse.size
     plan = FilePlan(
         file_size=sparse.size,
@@ -215,10 +183,10 @@ def build(obj: Any, alignment: int = 4096) -> FilePlan:
         skeleton=sparse,
         storages=sorted(storages, key=lambda s: s.offset),
         manifest=manifest,
-        manifest_header_offset=minfo.header_offset,
-        manifest_offset=_local_data_offset(sparse, minfo.header_offset),
+        manifest_header_offset=added.header_offset,
+        manifest_offset=added.data_offset,
         manifest_size=reserved,
-        manifest_central_entry=_central_entry_offset(sparse, start_dir, manifest_name),
+        manifest_central_entry=added.central_entry,
     )
     _checksum_skeleton_records(plan)
     return plan

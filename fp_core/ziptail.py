@@ -1,0 +1,144 @@
+"""Read a zip skeleton's central directory and append one stored record, in one pass each.
+
+zipfile can do both (``ZipFile(f, "a")``), but it reads the directory through thousands
+of small reads and rewrites every entry on close: about 35 ms for a checkpoint of 2400
+tensors, a quarter of a save's fixed cost. Here the directory is one read and is copied
+as bytes; only the appended entry and the end records are new. Stored (uncompressed)
+records only; zip64 where offsets, sizes or counts need it, as zipfile writes it.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Protocol
+
+_EOCD = struct.Struct("<IHHHHIIH")  # 22 bytes
+_EOCD_SIG = 0x06054B50
+_LOC64 = struct.Struct("<IIQI")  # 20 bytes
+_LOC64_SIG = 0x07064B50
+_EOCD64 = struct.Struct("<IQHHIIQQQQ")  # 56 bytes
+_EOCD64_SIG = 0x06064B50
+_CENTRAL = struct.Struct("<IHHHHHHIIIHHHHHII")  # 46 bytes
+_CENTRAL_SIG = 0x02014B50
+_LOCAL = struct.Struct("<IHHHHHIIIHH")  # 30 bytes
+_LOCAL_SIG = 0x04034B50
+_U16, _U32 = 0xFFFF, 0xFFFFFFFF
+_DOS_DATE_1980 = (0 << 9) | (1 << 5) | 1  # 1980-01-01, as zipfile's ZipInfo default
+
+
+class _Sparse(Protocol):
+    size: int
+
+    def pread(self, off: int, n: int) -> bytes: ...
+    def pwrite(self, off: int, data: bytes) -> None: ...
+    def truncate(self, size: int | None = None) -> int: ...
+
+
+@dataclass
+class Entry:
+    name: str
+    header_offset: int
+    file_size: int
+
+
+@dataclass
+class Directory:
+    entries: list[Entry]
+    offset: int  # where the central directory starts
+    raw: bytes  # the central directory, verbatim
+
+
+@dataclass
+class Appended:
+    header_offset: int  # the new record's local header
+    data_offset: int
+    central_entry: int  # its central directory entry
+
+
+def read_directory(f: _Sparse) -> Directory:
+    """The central directory of the zip in ``f`` (no trailing comment expected, as torch writes)."""
+    size = f.size
+    tail_len = min(size, _EOCD.size + _U16)
+    tail = f.pread(size - tail_len, tail_len)
+    at = tail.rfind(struct.pack("<I", _EOCD_SIG))
+    if at < 0:
+        raise ValueError("no zip end-of-central-directory record")
+    eocd_off = size - tail_len + at
+    _, _, _, _, count, cd_size, cd_off, _ = _EOCD.unpack_from(tail, at)
+    if _U16 in (count,) or _U32 in (cd_size, cd_off):
+        sig, _, eocd64_off, _ = _LOC64.unpack(f.pread(eocd_off - _LOC64.size, _LOC64.size))
+        if sig != _LOC64_SIG:
+            raise ValueError("zip64 end locator missing")
+        fields = _EOCD64.unpack(f.pread(eocd64_off, _EOCD64.size))
+        if fields[0] != _EOCD64_SIG:
+            raise ValueError("zip64 end record missing")
+        count, cd_size, cd_off = fields[7], fields[8], fields[9]
+    raw = f.pread(cd_off, cd_size)
+    entries, pos = [], 0
+    for _ in range(count):
+        (sig, _, _, _, _, _, _, _, csize, usize, nlen, elen, clen, _, _, _, lho) = _CENTRAL.unpack_from(raw, pos)
+        if sig != _CENTRAL_SIG:
+            raise ValueError(f"bad central directory entry at {cd_off + pos}")
+        name = raw[pos + 46: pos + 46 + nlen].decode()
+        if _U32 in (usize, csize, lho):
+            usize, lho = _zip64_fields(raw[pos + 46 + nlen: pos + 46 + nlen + elen], usize, csize, lho)
+        entries.append(Entry(name, lho, usize))
+        pos += 46 + nlen + elen + clen
+    return Directory(entries, cd_off, raw)
+
+
+def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, int]:
+    """Sizes and offset from the zip64 extra: present in this order, each only where the
+    fixed field holds 0xFFFFFFFF (APPNOTE 4.5.3)."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, n = struct.unpack_from("<HH", extra, pos)
+        if tag == 0x0001:
+            vals = list(struct.unpack_from(f"<{n // 8}Q", extra, pos + 4))
+            if usize == _U32:
+                usize = vals.pop(0)
+            if csize == _U32:
+                vals.pop(0)
+            if lho == _U32:
+                lho = vals.pop(0)
+            return usize, lho
+        pos += 4 + n
+    raise ValueError("zip64 extra field missing")
+
+
+def local_data_offset(f: _Sparse, header_offset: int) -> int:
+    fields = _LOCAL.unpack(f.pread(header_offset, _LOCAL.size))
+    if fields[0] != _LOCAL_SIG:
+        raise ValueError(f"no zip local header at {header_offset}")
+    return header_offset + _LOCAL.size + fields[9] + fields[10]
+
+
+def append_stored(f: _Sparse, d: Directory, name: str, data: bytes, comment: bytes) -> Appended:
+    """Write ``name`` (stored) where the directory was, then the directory + new end records."""
+    bname = name.encode()
+    crc = zlib.crc32(data)
+    hdr = d.offset
+    local = _LOCAL.pack(_LOCAL_SIG, 20, 0, 0, 0, _DOS_DATE_1980, crc, len(data), len(data), len(bname), 0)
+    f.pwrite(hdr, local + bname + data)
+    cd_off = hdr + len(local) + len(bname) + len(data)
+    extra = b""
+    lho = hdr
+    if hdr >= _U32:
+        extra, lho = struct.pack("<HHQ", 0x0001, 8, hdr), _U32
+    version = 45 if extra else 20
+    entry = _CENTRAL.pack(_CENTRAL_SIG, version, version, 0, 0, 0, _DOS_DATE_1980, crc, len(data), len(data),
+                          len(bname), len(extra), 0, 0, 0, 0, lho) + bname + extra
+    central = d.raw + entry
+    count = len(d.entries) + 1
+    end = cd_off + len(central)
+    records = central
+    if count > _U16 or len(central) > _U32 or cd_off > _U32:
+        eocd64 = _EOCD64.pack(_EOCD64_SIG, _EOCD64.size - 12, 45, 45, 0, 0, count, count, len(central), cd_off)
+        records += eocd64 + _LOC64.pack(_LOC64_SIG, 0, end, 1)
+    records += _EOCD.pack(_EOCD_SIG, 0, 0, min(count, _U16), min(count, _U16), min(len(central), _U32),
+                          min(cd_off, _U32), len(comment)) + comment
+    f.pwrite(cd_off, records)
+    f.truncate(cd_off + len(records))
+    return Appended(hdr, hdr + len(local) + len(bname), cd_off + len(d.raw))
