@@ -152,14 +152,19 @@ def _status_kib(field_name: str) -> int:
     return status_field(field_name, 0)
 
 
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
+def _write_proc(path: str, text: str) -> bool:
+    """Write a /proc control file; False where this process may not."""
     try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        with open(path, "w") as f:
+            f.write(text)
         return True
     except OSError:
         return False
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs)."""
+    return _write_proc("/proc/self/clear_refs", "5")
 
 
 def check_peak_reset() -> bool:
@@ -195,12 +200,7 @@ def drop_cache(path: str) -> None:
 
 def drop_all_caches() -> bool:
     """Drop the whole page cache when allowed (root); False where it is not."""
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
+    return _write_proc("/proc/sys/vm/drop_caches", "1\n")
 
 
 def remove(path: str) -> None:

@@ -85,6 +85,13 @@ def make_layout(rng, total, n, *, max_len=None, src_pad=64):
     return extents, keep, expected
 
 
+def random_file(path, size: int, seed: int):
+    """A file of ``size`` random bytes; returns (path, the bytes as a numpy array)."""
+    data = np.random.default_rng(seed).integers(0, 256, size=size, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    return path, data
+
+
 def read_file(path):
     with open(path, "rb") as f:
         return f.read()
@@ -435,11 +442,8 @@ def test_o_direct_injection(tmp_path):
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_reader_roundtrip(tmp_path, direct):
-    rng = np.random.default_rng(17)
     total = 3 * MiB + 4321
-    data = rng.integers(0, 256, size=total, dtype=np.uint8)
-    path = tmp_path / "r.bin"
-    path.write_bytes(data.tobytes())
+    path, data = random_file(tmp_path / "r.bin", total, seed=17)
     with _native.Reader(str(path), direct=direct) as r:
         assert r.size == total
         assert r.direct == direct
@@ -462,11 +466,8 @@ def test_reader_roundtrip(tmp_path, direct):
 
 def test_reader_aligned_destination_reads_without_staging(tmp_path):
     """A destination aligned like the file is read into directly; edges still staged."""
-    rng = np.random.default_rng(23)
     total = 9 * MiB + 123
-    data = rng.integers(0, 256, size=total, dtype=np.uint8)
-    path = tmp_path / "ra.bin"
-    path.write_bytes(data.tobytes())
+    path, data = random_file(tmp_path / "ra.bin", total, seed=23)
     with _native.Reader(str(path), direct=True) as r:
         if not r.direct:
             pytest.skip("O_DIRECT refused on this filesystem")
