@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bench import format_targets
+from .bench import format_targets, payload_bytes
 
 MODES = ("none", "torch", "lightning", "dcp", "overlap", "snapshot")
 LABELS = {
@@ -84,16 +84,6 @@ class Trainer:
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
-
-
-def ckpt_bytes(sd: Any) -> int:
-    if isinstance(sd, torch.Tensor):
-        return sd.untyped_storage().nbytes()
-    if isinstance(sd, dict):
-        return sum(ckpt_bytes(v) for v in sd.values())
-    if isinstance(sd, (list, tuple)):
-        return sum(ckpt_bytes(v) for v in sd)
-    return 0
 
 
 def calibrate_batch(tr: Trainer, target_ms: float) -> int:
@@ -307,7 +297,7 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     batch = args.batch or calibrate_batch(tr, args.compute_ms)
     tr.set_batch(batch)
     tr.step()  # Adam state exists from here on
-    nbytes = ckpt_bytes(tr.state())
+    nbytes = payload_bytes(tr.state())
     nparams = sum(p.numel() for p in tr.model.parameters())
     log(f"MLP {args.layers}x{args.width}: {nparams / 1e6:.1f}M params, checkpoint {nbytes / 1e9:.2f} GB, "
         f"batch {batch}, torch threads {torch.get_num_threads()}, engine options {eng or 'defaults'}")
