@@ -280,6 +280,31 @@ def measure(row: Row, fn: Callable[[], Any], repeat: int, before: Callable[[], N
         gc.collect()
 
 
+def run_rounds(kind: str, rows: list[Row], repeat: int, warmup: int, run_one: Callable[[Row], None],
+               log: Callable[[str], None], on_counted: Callable[[], None] | None = None) -> None:
+    """``warmup`` uncounted rounds, then ``repeat`` rounds, each running every row once.
+
+    Rounds, not rows: a drift in the (shared, virtual) disk's speed hits all rows alike and
+    the ratios compare runs made side by side. A row that fails is reported and skipped
+    from then on; one failing competitor must not stop the table.
+    """
+    for rnd in range(-warmup, repeat):
+        if rnd == 0:  # the warm-up rounds' figures are dropped
+            for row in rows:
+                row.seconds.clear()
+            if on_counted is not None:
+                on_counted()
+        log(f"  {kind} round {rnd + 1}/{repeat}" if rnd >= 0 else f"  {kind} warm-up round")
+        for row in rows:
+            if row.error:
+                continue
+            try:
+                run_one(row)
+            except Exception as e:  # noqa: BLE001
+                row.error = f"{type(e).__name__}: {e}"
+                log(f"    {row.label} failed: {row.error}")
+
+
 # ---------------------------------------------------------------------------- save rows
 def _aligned_buffer(nbytes: int, align: int) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
@@ -436,32 +461,21 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         "fastpersist": lambda: save_fastpersist(data["sd"], files["fastpersist"], opts),
     }
     fp_stats: list[Any] = []
-    # Rounds, not rows: every row runs once per round, so a drift in the (shared, virtual)
-    # disk's speed hits all rows alike and the ratios compare runs made side by side.
     save_keys = [k for k in SAVE_ROWS if k in only]
     for key in save_keys:
         rows[key] = Row(key, LABELS[key], "save", nbytes)
-    for rnd in range(-warmup, repeat):
-        if rnd == 0:  # warm-up rounds are not counted
-            for key in save_keys:
-                rows[key].seconds.clear()
-            fp_stats.clear()
-        log(f"  save round {rnd + 1}/{repeat}" if rnd >= 0 else "  save warm-up round")
-        for key in save_keys:
-            row = rows[key]
-            if row.error:
-                continue
-            try:
-                after = {"fastpersist": fp_stats.append, "device": row.extra.update}.get(key)
-                measure(row, savers[key], 1, before=clear(files[key]), after=after)
-                p = files[key]
-                row.file_bytes = (sum(os.path.getsize(os.path.join(p, n)) for n in os.listdir(p))
-                                  if os.path.isdir(p) else os.path.getsize(p))
-            except Exception as e:  # noqa: BLE001 - one failing competitor must not stop the table
-                row.error = f"{type(e).__name__}: {e}"
-                log(f"    {row.label} failed: {row.error}")
-            if not keep.get(key):
-                remove(files[key])
+    def save_one(row: Row) -> None:
+        try:
+            after = {"fastpersist": fp_stats.append, "device": row.extra.update}.get(row.key)
+            measure(row, savers[row.key], 1, before=clear(files[row.key]), after=after)
+            p = files[row.key]
+            row.file_bytes = (sum(os.path.getsize(os.path.join(p, n)) for n in os.listdir(p))
+                              if os.path.isdir(p) else os.path.getsize(p))
+        finally:
+            if not keep.get(row.key):
+                remove(files[row.key])
+
+    run_rounds("save", [rows[k] for k in save_keys], repeat, warmup, save_one, log, on_counted=fp_stats.clear)
     if fp_stats:
         st = fp_stats[len(fp_stats) // 2]
         rows["fastpersist"].extra = {k: v for k, v in st.as_dict().items() if k not in ("path", "extra")}
@@ -506,24 +520,16 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             drop_check = cache_drop_check(path)
             log(f"  page-cache drop check on {os.path.basename(path)}: first 256 MiB read cold "
                 f"{drop_check['cold_gbps']:.2f} GB/s, warm {drop_check['warm_gbps']:.2f} GB/s")
-    for rnd in range(-warmup, repeat):
-        if rnd == 0:  # warm-up rounds are not counted
-            for key in load_keys:
-                rows[key].seconds.clear()
-        log(f"  load round {rnd + 1}/{repeat}" if rnd >= 0 else "  load warm-up round")
-        for key in load_keys:
-            row = rows[key]
-            if row.error:
-                continue
-            path, fn = loaders[key]
-            try:
-                # Every bench file leaves the page cache, not only this row's: pages an
-                # earlier row left behind (mmap rows touch a whole file) would otherwise
-                # have to be reclaimed inside this row's allocations.
-                measure(row, fn, 1, before=lambda: [drop_cache(p) for p, _ in loaders.values() if os.path.exists(p)])
-            except Exception as e:  # noqa: BLE001
-                row.error = f"{type(e).__name__}: {e}"
-                log(f"    {row.label} failed: {row.error}")
+    def evict_all() -> None:
+        # Every bench file leaves the page cache, not only this row's: pages an earlier
+        # row left behind (mmap rows touch a whole file) would otherwise have to be
+        # reclaimed inside this row's allocations.
+        for p, _ in loaders.values():
+            if os.path.exists(p):
+                drop_cache(p)
+
+    run_rounds("load", [rows[k] for k in load_keys], repeat, warmup,
+               lambda row: measure(row, loaders[row.key][1], 1, before=evict_all), log)
     for key in ("device", "torch", "safetensors", "fastpersist"):
         remove(files[key])
     dev_buf = None
