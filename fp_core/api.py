@@ -37,7 +37,9 @@ class PreparedSave:
     """A checkpoint whose layout is fixed and whose temporary file is open."""
 
     def __init__(self, obj: Any, path: str | os.PathLike, options: EngineOptions, format: str = "torch",
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, congruent: bool = False) -> None:
+        """``congruent``: lay CPU tensors out in the file congruent to their addresses, so
+        they can be written without staging (see :func:`fp_core.plan.build`)."""
         t0 = time.perf_counter()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
@@ -54,7 +56,7 @@ class PreparedSave:
             alignment = max(MIN_ALIGNMENT, self.engine.alignment)
             try:
                 if format == "torch":
-                    self.plan: FilePlan = build(obj, alignment)
+                    self.plan: FilePlan = build(obj, alignment, congruent=congruent)
                 else:
                     self.plan = build_safetensors(obj, alignment, metadata)
             except (OSError, MemoryError, KeyboardInterrupt):

@@ -39,8 +39,9 @@ class StorageExtent:
     source: torch.Tensor
     record: int  # index into Manifest.records (or the tensor's index for safetensors)
     host: torch.Tensor | None = None
-    # CRC-32C of ranges of ``host`` computed while it was copied, by (start, length)
-    # inside the storage: the writer passes them on instead of reading the bytes again.
+    # CRC-32C of ranges of the bytes to write, by (start, length) inside the storage,
+    # computed while ``host`` was copied or at save time (writer.stage_cpu): the writer
+    # passes them on instead of reading the bytes again.
     host_crcs: dict[tuple[int, int], int] | None = None
 
     @property
@@ -144,14 +145,26 @@ def _tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, 
     return names
 
 
-def build(obj: Any, alignment: int = 4096) -> FilePlan:
-    """Capture ``obj``'s torch.save skeleton and lay out the file, manifest included."""
+def build(obj: Any, alignment: int = 4096, congruent: bool = False) -> FilePlan:
+    """Capture ``obj``'s torch.save skeleton and lay out the file, manifest included.
+
+    ``congruent``: place each CPU storage at a file offset that agrees with its address
+    modulo ``alignment`` (torch's CPU tensors sit at page + 64), so the engine can write
+    its block-aligned middle straight from the tensor with O_DIRECT, no staging copy.
+    Otherwise storages start on ``alignment``, as torch lays them out.
+    """
     sparse, storages_by_key = capture(obj, alignment)
     names = _tensor_names(obj)
 
     # Read torch's records from the skeleton's central directory, then append ours.
     directory = ziptail.read_directory(sparse)
     prefix = directory.entries[0].name.split("/", 1)[0]
+    if congruent:
+        residues = {f"{prefix}/data/{key}": _residue(storage, alignment)
+                    for key, (storage, _, _) in storages_by_key.items()}
+        moved = SparseFile()
+        directory = ziptail.relayout(sparse, directory, moved, residues, alignment)
+        sparse = moved
     records: list[RecordInfo] = []
     storages: list[StorageExtent] = []
     for entry in directory.entries:
@@ -190,6 +203,15 @@ def build(obj: Any, alignment: int = 4096) -> FilePlan:
     )
     _checksum_skeleton_records(plan)
     return plan
+
+
+def _residue(storage: torch.UntypedStorage, alignment: int) -> int:
+    """Where a storage should start modulo ``alignment``: like its address when that can
+    be sent to O_DIRECT (CPU memory, 64-byte aligned as torch allocates), else aligned."""
+    if storage.device.type != "cpu":
+        return 0
+    addr = storage.data_ptr()
+    return addr % alignment if addr % 64 == 0 else 0
 
 
 def _checksum_skeleton_records(plan: FilePlan) -> None:

@@ -115,6 +115,113 @@ def local_data_offset(f: _Sparse, header_offset: int) -> int:
     return header_offset + _LOCAL.size + fields[9] + fields[10]
 
 
+_PAD_TAG = 0x4246  # "FB": the extra field torch pads records with
+
+
+def relayout(src: _Sparse, d: Directory, out: _Sparse, residues: dict[str, int], modulus: int,
+             default_align: int = 64) -> Directory:
+    """Copy the zip in ``src`` into the empty ``out`` with each record's data moved to a
+    chosen position modulo ``modulus``: record ``name`` starts at ``residues[name]``
+    (mod ``modulus``), every other record on ``default_align``.
+
+    Only the padding extra field of each local header changes size; headers, names,
+    other extra fields, record bytes and data descriptors are copied as they are, the
+    central directory gets the new header offsets (zip64 where an offset needs it).
+    Record bytes ``src`` holds as holes (skipped tensor data) stay holes. Why: the
+    async writer sends a tensor straight from its memory to O_DIRECT only when its
+    address and its file offset agree modulo the block size, and torch puts tensors
+    at page + 64.
+    """
+    order = sorted(range(len(d.entries)), key=lambda i: d.entries[i].header_offset)
+    new_offsets: dict[int, int] = {}
+    pos = 0
+    for k, i in enumerate(order):
+        e = d.entries[i]
+        fields = list(_LOCAL.unpack(src.pread(e.header_offset, _LOCAL.size)))
+        if fields[0] != _LOCAL_SIG:
+            raise ValueError(f"no zip local header at {e.header_offset}")
+        nlen, elen = fields[9], fields[10]
+        name = src.pread(e.header_offset + _LOCAL.size, nlen)
+        extra = _drop_field(src.pread(e.header_offset + _LOCAL.size + nlen, elen), _PAD_TAG)
+        old_data = e.header_offset + _LOCAL.size + nlen + elen
+        nxt = d.entries[order[k + 1]].header_offset if k + 1 < len(order) else d.offset
+        after = src.pread(old_data + e.file_size, nxt - old_data - e.file_size)  # data descriptor
+        if e.name in residues:
+            want, mod = residues[e.name] % modulus, modulus
+        else:
+            want, mod = 0, default_align
+        bare = pos + _LOCAL.size + nlen + len(extra)
+        pad = (want - bare) % mod
+        if pad:
+            while pad < 4:  # a field needs its 4-byte header
+                pad += mod
+            extra += struct.pack("<HH", _PAD_TAG, pad - 4) + b"Z" * (pad - 4)
+        fields[10] = len(extra)
+        out.pwrite(pos, _LOCAL.pack(*fields) + name + extra)
+        data_at = pos + _LOCAL.size + nlen + len(extra)
+        for seg_off, seg in _segments_in(src, old_data, e.file_size):
+            out.pwrite(data_at + seg_off, seg)
+        if after:
+            out.pwrite(data_at + e.file_size, after)
+        new_offsets[e.header_offset] = pos
+        pos = data_at + e.file_size + len(after)
+    central, p, raw = bytearray(), 0, d.raw
+    for e in d.entries:
+        fixed = list(_CENTRAL.unpack_from(raw, p))
+        nlen, elen, clen = fixed[10], fixed[11], fixed[12]
+        name = raw[p + 46: p + 46 + nlen]
+        extra = raw[p + 46 + nlen: p + 46 + nlen + elen]
+        comment = raw[p + 46 + nlen + elen: p + 46 + nlen + elen + clen]
+        usize, csize = e.file_size, e.file_size  # stored records
+        if fixed[8] != _U32:
+            csize = fixed[8]
+        lho = new_offsets[e.header_offset]
+        big = [v for v in (usize, csize, lho) if v >= _U32]
+        extra = _drop_field(extra, 0x0001)
+        if big:
+            extra = struct.pack(f"<HH{len(big)}Q", 0x0001, 8 * len(big), *big) + extra
+            fixed[1], fixed[2] = max(fixed[1], 45), max(fixed[2], 45)
+        fixed[8], fixed[9], fixed[16] = min(csize, _U32), min(usize, _U32), min(lho, _U32)
+        fixed[11] = len(extra)
+        central += _CENTRAL.pack(*fixed) + name + extra + comment
+        p += 46 + nlen + elen + clen
+    _write_end(out, pos, bytes(central), len(d.entries), b"")
+    entries = [Entry(e.name, new_offsets[e.header_offset], e.file_size) for e in d.entries]
+    return Directory(entries, pos, bytes(central))
+
+
+def _drop_field(extra: bytes, tag: int) -> bytes:
+    """``extra`` without the fields tagged ``tag``."""
+    out, pos = b"", 0
+    while pos + 4 <= len(extra):
+        t, n = struct.unpack_from("<HH", extra, pos)
+        if t != tag:
+            out += extra[pos: pos + 4 + n]
+        pos += 4 + n
+    return out
+
+
+def _segments_in(f: _Sparse, off: int, n: int) -> list[tuple[int, bytes]]:
+    """The written parts of ``f`` in [off, off + n), relative to ``off``; holes are left out."""
+    segments = getattr(f, "segments_in", None)
+    if segments is not None:
+        return segments(off, n)
+    return [(0, f.pread(off, n))]
+
+
+def _write_end(f: _Sparse, cd_off: int, central: bytes, count: int, comment: bytes) -> None:
+    """Write the central directory at ``cd_off`` and the end records after it; cut the file there."""
+    end = cd_off + len(central)
+    records = central
+    if count > _U16 or len(central) > _U32 or cd_off > _U32:
+        eocd64 = _EOCD64.pack(_EOCD64_SIG, _EOCD64.size - 12, 45, 45, 0, 0, count, count, len(central), cd_off)
+        records += eocd64 + _LOC64.pack(_LOC64_SIG, 0, end, 1)
+    records += _EOCD.pack(_EOCD_SIG, 0, 0, min(count, _U16), min(count, _U16), min(len(central), _U32),
+                          min(cd_off, _U32), len(comment)) + comment
+    f.pwrite(cd_off, records)
+    f.truncate(cd_off + len(records))
+
+
 def append_stored(f: _Sparse, d: Directory, name: str, data: bytes, comment: bytes) -> Appended:
     """Write ``name`` (stored) where the directory was, then the directory + new end records."""
     bname = name.encode()
@@ -130,15 +237,5 @@ def append_stored(f: _Sparse, d: Directory, name: str, data: bytes, comment: byt
     version = 45 if extra else 20
     entry = _CENTRAL.pack(_CENTRAL_SIG, version, version, 0, 0, 0, _DOS_DATE_1980, crc, len(data), len(data),
                           len(bname), len(extra), 0, 0, 0, 0, lho) + bname + extra
-    central = d.raw + entry
-    count = len(d.entries) + 1
-    end = cd_off + len(central)
-    records = central
-    if count > _U16 or len(central) > _U32 or cd_off > _U32:
-        eocd64 = _EOCD64.pack(_EOCD64_SIG, _EOCD64.size - 12, 45, 45, 0, 0, count, count, len(central), cd_off)
-        records += eocd64 + _LOC64.pack(_LOC64_SIG, 0, end, 1)
-    records += _EOCD.pack(_EOCD_SIG, 0, 0, min(count, _U16), min(count, _U16), min(len(central), _U32),
-                          min(cd_off, _U32), len(comment)) + comment
-    f.pwrite(cd_off, records)
-    f.truncate(cd_off + len(records))
+    _write_end(f, cd_off, d.raw + entry, len(d.entries) + 1, comment)
     return Appended(hdr, hdr + len(local) + len(bname), cd_off + len(d.raw))
