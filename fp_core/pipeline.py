@@ -16,6 +16,15 @@ In both, tensors of at most ``small_tensor_bytes`` (BatchNorm running statistics
 other buffers that change *during* forward) are copied on the caller's thread at save
 time, so they hold exactly their values at ``save()``.
 
+Where the CPU work of a save runs (``cpu_work_at_save``): the snapshot copy and the
+checksums read every byte once. When the checkpoint's tensors live on the CPU, the
+training runs on the CPU too and every core is busy: work in the background then
+preempts the training's threads, and its parallel regions wait for the preempted one.
+So by default that work runs inside ``save()``, spread over the training's threads
+(``torch.get_num_threads()``) while the training thread waits anyway; the background is
+left with the I/O. With device tensors, the host's cores are free during the step and
+the work stays in the background.
+
 Errors in the background are never dropped: each is raised once, at the next ``save``,
 ``fence``, ``wait`` or ``close`` (or by ``handle.result()``), chained to the original.
 """
@@ -30,6 +39,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -42,7 +52,7 @@ from .engine import EngineOptions
 from .errors import CheckpointError
 from .plan import StorageExtent
 from .stats import SaveStats
-from .writer import copy_to_host, snapshot_to_host
+from .writer import copy_to_host, snapshot_to_host, stage_cpu
 
 log = logging.getLogger("fastpersist")
 
@@ -125,10 +135,20 @@ class SaveHandle(Handle):
         return super().result(timeout)
 
 
-# Snapshot copies start on page boundaries, as storages do in the file (4 KiB storage
-# alignment): memory and file offsets then agree modulo the O_DIRECT alignment and the
+# A snapshot copy sits in the arena at the same place modulo a page as its storage sits
+# in the file: memory and file offsets then agree modulo the O_DIRECT alignment and the
 # engine writes each copy straight from the arena, with no second (staging) copy.
 _ARENA_ALIGN = 4096
+
+
+def _arena_layout(extents: list[StorageExtent]) -> tuple[list[int], int]:
+    """Arena position of each extent's copy (congruent to its file offset), and the size."""
+    positions, pos = [], 0
+    for s in extents:
+        pos += (s.offset - pos) % _ARENA_ALIGN
+        positions.append(pos)
+        pos += s.length
+    return positions, pos
 
 
 class _Arena:
@@ -140,16 +160,9 @@ class _Arena:
         self.buf = raw[skip: skip + nbytes]
         self.pin = pin
 
-    def carve(self, lengths: list[int]) -> list[torch.Tensor]:
-        out, pos = [], 0
-        for n in lengths:
-            out.append(self.buf[pos: pos + n])
-            pos += -(-n // _ARENA_ALIGN) * _ARENA_ALIGN
-        return out
-
-
-def _carved_size(lengths: Iterable[int]) -> int:
-    return sum(-(-n // _ARENA_ALIGN) * _ARENA_ALIGN for n in lengths)
+    def carve(self, extents: list[StorageExtent]) -> list[torch.Tensor]:
+        positions, _ = _arena_layout(extents)
+        return [self.buf[p: p + s.length] for p, s in zip(positions, extents)]
 
 
 def _path_key(path: str | os.PathLike) -> str:
@@ -189,6 +202,11 @@ class AsyncCheckpointer:
         small_tensor_bytes: tensors up to this size are copied at save time.
         install_optimizer_hook: install a global torch.optim step pre-hook while a save
             still reads live memory, so every optimizer.step() fences first.
+        cpu_work_at_save: run the snapshot copy (``snapshot``) or the checksums
+            (``overlap``) of CPU tensors inside ``save()``, on ``save_threads`` threads,
+            instead of on the background writer. None (default): when every large tensor
+            is on the CPU (see module doc).
+        save_threads: threads for that work (default ``torch.get_num_threads()``).
         writer_nice: scheduling niceness added to the writer thread and the engine
             threads it starts (Linux: per thread, inherited). 0 (default) keeps the
             caller's: measured on 2 CPUs, nice 19 starved the snapshot copy and the
@@ -202,7 +220,8 @@ class AsyncCheckpointer:
 
     def __init__(self, policy: str = "auto", max_in_flight: int = 1, when_busy: str = "wait",
                  snapshot_budget_bytes: int | None = None, small_tensor_bytes: int = 1 << 20,
-                 install_optimizer_hook: bool = True, writer_nice: int = 0,
+                 install_optimizer_hook: bool = True, cpu_work_at_save: bool | None = None,
+                 save_threads: int | None = None, writer_nice: int = 0,
                  group: Any = None, topology: Any = "replica",
                  timeout_s: float = DEFAULT_TIMEOUT_S, **engine_options: Any) -> None:
         if policy not in POLICIES:
@@ -218,6 +237,11 @@ class AsyncCheckpointer:
         self.small_tensor_bytes = small_tensor_bytes
         self.install_optimizer_hook = install_optimizer_hook
         self.writer_nice = writer_nice
+        self.cpu_work_at_save = cpu_work_at_save
+        if save_threads is not None and save_threads < 1:
+            raise ValueError("save_threads must be >= 1")
+        self.save_threads = save_threads
+        self._pool: ThreadPoolExecutor | None = None
         self.group, self.topology, self.timeout_s = group, topology, timeout_s
         self.options, rest = EngineOptions.pick(dict(engine_options))
         if rest:
@@ -268,7 +292,8 @@ class AsyncCheckpointer:
             prepared = CollectiveSave(obj, path, self.group, topology=self.topology, timeout_s=self.timeout_s,
                                       options=self.options)
         else:
-            prepared = PreparedSave(obj, path, self.options, format, metadata)
+            # laid out congruent to the tensors' addresses: overlap writes them with no staging copy
+            prepared = PreparedSave(obj, path, self.options, format, metadata, congruent=True)
         storages = prepared.plan.storages if prepared.plan is not None else []
         policy = self._choose_policy(sum(s.length for s in storages))
         small = [s for s in storages if s.length <= self.small_tensor_bytes]
@@ -279,9 +304,10 @@ class AsyncCheckpointer:
             raise
         handle = SaveHandle(prepared.final)
         big = [s for s in storages if s.host is None]
+        arena = self._cpu_work_now(prepared, policy, big)
 
         def run() -> SaveStats:
-            return self._run_save(prepared, policy, big, handle, on_commit)
+            return self._run_save(prepared, policy, big, handle, on_commit, arena)
 
         prepared.stats.policy = policy
         with self._cv:
@@ -377,6 +403,9 @@ class AsyncCheckpointer:
                 self._thread = None
             self._remove_hook()
             self._arenas.clear()
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
             _live.discard(self)
 
     def __enter__(self) -> AsyncCheckpointer:
@@ -460,15 +489,49 @@ class AsyncCheckpointer:
                 self._running = False
                 self._cv.notify_all()
 
-    def _run_save(self, prepared: PreparedSave | CollectiveSave, policy: str, big: list[StorageExtent], handle: SaveHandle,
-                  on_commit: Callable[[str, SaveStats], None] | None) -> SaveStats:
+    def _cpu_work_now(self, prepared: Any, policy: str, big: list[StorageExtent]) -> _Arena | None:
+        """The snapshot copy or the checksums of CPU tensors, on the caller's thread and the
+        save pool (see ``cpu_work_at_save``). Returns the arena the copies went into."""
+        if isinstance(prepared, CollectiveSave):
+            return None  # its layout may still move to rank 0's; the peers hear of errors in run()
+        cpu = [s for s in big if s.source.device.type == "cpu"]
+        at_save = self.cpu_work_at_save
+        if at_save is None:
+            at_save = bool(big) and len(cpu) == len(big)
+        if not at_save or not cpu:
+            return None
+        t0 = time.perf_counter()
+        if self._pool is None:
+            n = self.save_threads or max(1, torch.get_num_threads())
+            self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="fastpersist-save")
         arena = None
+        try:
+            if policy == "snapshot":
+                arena = self._take_arena(big)
+                carved = dict(zip(map(id, big), arena.carve(big)))
+                stage_cpu(cpu, [carved[id(s)] for s in cpu], run=self._pool.map)
+            else:
+                stage_cpu(cpu, None, run=self._pool.map)
+        except BaseException:
+            for s in big:
+                s.host, s.host_crcs = None, None
+            if arena is not None:
+                self._give_arena(arena)
+            prepared.abort()
+            raise
+        prepared.stats.extra["at_save_seconds"] = time.perf_counter() - t0
+        return arena
+
+    def _run_save(self, prepared: PreparedSave | CollectiveSave, policy: str, big: list[StorageExtent], handle: SaveHandle,
+                  on_commit: Callable[[str, SaveStats], None] | None, arena: _Arena | None = None) -> SaveStats:
         try:
             if policy == "snapshot" and big:
                 t0 = time.perf_counter()
-                arena = self._take_arena(big)
+                arena = arena or self._take_arena(big)
+                todo = [(s, buf) for s, buf in zip(big, arena.carve(big)) if s.host is None]
                 try:
-                    snapshot_to_host(big, arena.carve([s.length for s in big]))
+                    if todo:
+                        snapshot_to_host([s for s, _ in todo], [b for _, b in todo])
                 except Exception as e:
                     if isinstance(prepared, CollectiveSave):
                         prepared.fail(e)  # the other ranks must still hear of it
@@ -490,7 +553,7 @@ class AsyncCheckpointer:
         return stats
 
     def _take_arena(self, big: list[StorageExtent]) -> _Arena:
-        need = _carved_size(s.length for s in big)
+        need = _arena_layout(big)[1]
         pin = any(s.source.device.type == "cuda" for s in big)
         with self._cv:
             for i, a in enumerate(self._arenas):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import struct
 import time
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,29 +90,54 @@ def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None =
         stream.synchronize()
 
 
-SNAPSHOT_CONGRUENCE = 4096  # storages start on 4 KiB in the file and in a snapshot arena
+SNAPSHOT_CONGRUENCE = 4096  # a snapshot copy agrees with its file offset modulo 4 KiB
+PARALLEL_CHUNK = 8 << 20  # unit of work when several threads copy or checksum one storage
+
+
+def stage_cpu(extents: list[StorageExtent], into: list[torch.Tensor] | None = None,
+              run: Callable[..., Iterable[int]] = map) -> None:
+    """Checksum CPU storages (and copy them into ``into``, a snapshot arena, when given)
+    in one pass over the source, in chunks that ``run`` (``map`` or a thread pool's) may
+    spread over threads.
+
+    The CRCs go to each extent's ``host_crcs`` for the ranges :func:`split_congruent`
+    will cut it into, so the writer finds them for the zero-copy middle and the staged
+    head and tail and does not read the bytes again.
+    """
+    jobs: list[tuple[int, tuple[int, int], int, int, int]] = []  # extent, range key, src, dst, n
+    for i, s in enumerate(extents):
+        src = s.source.data_ptr()
+        base = into[i].data_ptr() if into is not None else src
+        for _, addr, n in split_congruent(s.offset, base, s.length, SNAPSHOT_CONGRUENCE):
+            start = addr - base
+            for o in range(0, n, PARALLEL_CHUNK):
+                dst = base + start + o if into is not None else 0
+                jobs.append((i, (start, n), src + start + o, dst, min(PARALLEL_CHUNK, n - o)))
+
+    def one(job: tuple[int, tuple[int, int], int, int, int]) -> int:
+        _, _, src, dst, n = job
+        return _native.copy_crc32c(dst, src, n) if dst else _native.crc32c_addr(src, n)
+
+    per: list[dict[tuple[int, int], int]] = [{} for _ in extents]
+    for (i, key, _, _, n), crc in zip(jobs, run(one, jobs)):  # chunks of a range come in order
+        d = per[i]
+        d[key] = _native.crc32c_combine(d[key], crc, n) if key in d else crc
+    for i, s in enumerate(extents):
+        s.host_crcs = per[i]
+        if into is not None:
+            s.host = into[i]
 
 
 def snapshot_to_host(extents: list[StorageExtent], into: list[torch.Tensor]) -> None:
-    """Copy CPU storages into ``into`` (a page-aligned snapshot arena), checksumming as they
-    are copied: one pass over the source, no second read of the copy by the writer.
-
-    The CRCs are recorded for the ranges :func:`split_congruent` will cut each storage
-    into, so the writer finds them for the zero-copy middle and the staged tail. Device
-    storages go through :func:`copy_to_host`.
-    """
+    """Copy storages into ``into`` (a page-aligned snapshot arena): CPU ones through
+    :func:`stage_cpu` (checksummed as they are copied), device ones through
+    :func:`copy_to_host`."""
     device = [(s, buf) for s, buf in zip(extents, into) if s.source.device.type != "cpu"]
     if device:
         copy_to_host([s for s, _ in device], into=[b for _, b in device])
-    for s, buf in zip(extents, into):
-        if s.source.device.type != "cpu":
-            continue
-        src, dst = s.source.data_ptr(), buf.data_ptr()
-        crcs = {}
-        for _, addr, n in split_congruent(s.offset, dst, s.length, SNAPSHOT_CONGRUENCE):
-            start = addr - dst
-            crcs[(start, n)] = _native.copy_crc32c(addr, src + start, n)
-        s.host, s.host_crcs = buf, crcs
+    cpu = [(s, buf) for s, buf in zip(extents, into) if s.source.device.type == "cpu"]
+    if cpu:
+        stage_cpu([s for s, _ in cpu], [b for _, b in cpu])
 
 
 def _stage_device_storages(pieces: list[Piece], stats: RangeStats) -> list[StorageExtent]:
@@ -151,8 +177,12 @@ def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
 
 
 def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
-                options: EngineOptions, stats: RangeStats) -> list[PieceCrc]:
-    """Write the plan's bytes in [start, end); return the CRC of every storage piece written."""
+                options: EngineOptions, stats: RangeStats, checksum: bool = True) -> list[PieceCrc]:
+    """Write the plan's bytes in [start, end); return the CRC of every storage piece written.
+
+    ``checksum=False`` skips the CRCs (their values are then meaningless): only for
+    measuring what the bytes alone cost (``fastpersist bench --async``'s floor).
+    """
     out: list[PieceCrc] = []
     congruence = max(engine.alignment, engine.mem_alignment)
     for lo, hi in _batches(plan, start, end):
@@ -167,13 +197,13 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
                     extents.append((p.offset, _bytes_addr(p.skeleton, keep), p.length))
                     owners.append(None)
                     continue
-                known = p.storage.host_crcs if p.storage.host is not None else None
+                known = p.storage.host_crcs  # computed while staging, or at save time
                 for off, addr, n in split_congruent(p.offset, _piece_addr(p), p.length, congruence):
                     crc = known.get((p.storage_start + off - p.offset, n)) if known else None
                     extents.append((off, addr, n, crc))
                     owners.append(p)
             t0 = time.perf_counter()
-            crcs, native_stats = engine.write(extents, lo, hi, checksum=True, zero_copy=True)
+            crcs, native_stats = engine.write(extents, lo, hi, checksum=checksum, zero_copy=True)
             stats.add(native_stats, time.perf_counter() - t0)
         finally:
             _release(staged)
@@ -189,8 +219,9 @@ def split_congruent(offset: int, addr: int, length: int, congruence: int) -> lis
     When the source address and the file offset agree modulo ``congruence`` (a snapshot
     arena is carved that way), the middle starts on a block boundary in memory and in
     the file, and the engine writes it straight from the source (``zero_copy``); the
-    head and tail share staging blocks with their neighbours. Live tensors (torch
-    allocates them at page + 64) do not agree and stay one staged extent.
+    head and tail share staging blocks with their neighbours. Live tensors agree when
+    the plan was built ``congruent`` (the async pipeline's); otherwise (torch allocates
+    at page + 64, storages start on 4 KiB) they stay one staged extent.
     """
     if length < congruence or (addr - offset) % congruence:
         return [(offset, addr, length)]
