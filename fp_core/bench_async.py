@@ -12,6 +12,14 @@ checkpoint after every optimizer step, with each of these side by side in one pr
                  for the previous save's future before starting the next
 * ``overlap`` / ``snapshot``  fp_core.AsyncCheckpointer with that policy (fence through
                  the optimizer step pre-hook)
+* ``overlap_bg`` / ``snapshot_bg``  the same with ``cpu_work_at_save=False``: the copy and
+                 the checksums of CPU tensors on the background writer instead of inside
+                 ``save()`` (the default for CPU tensors)
+
+Slowdown = a mode's total step time against the mean of the no-checkpoint runs right
+before and right after it (every mode runs between two), median over ``--rounds``.
+CPU s/ckpt = the process's CPU time per iteration (user + system) minus the no-checkpoint
+run's: what each checkpoint costs in CPU, which a CPU-bound training loop pays in steps.
 
 Blocked time per checkpoint = time the training thread spends in the save call plus any
 wait it causes later (the fence before the next step, a wait for the previous save).
@@ -35,7 +43,9 @@ from torch import nn
 
 from .bench import format_targets, payload_bytes
 
-MODES = ("none", "torch", "lightning", "dcp", "overlap", "snapshot")
+# Run order inside a round (each mode between two no-checkpoint runs): the fp_core modes
+# first, the modes that leave dirty page cache behind (torch.save without O_DIRECT) last.
+MODES = ("none", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "torch", "lightning", "dcp")
 LABELS = {
     "none": "no checkpoint",
     "torch": "torch.save + fsync (sync)",
@@ -43,7 +53,10 @@ LABELS = {
     "dcp": "torch.distributed.checkpoint.async_save",
     "overlap": "fp_core AsyncCheckpointer(policy='overlap')",
     "snapshot": "fp_core AsyncCheckpointer(policy='snapshot')",
+    "overlap_bg": "  overlap, CPU work in the background",
+    "snapshot_bg": "  snapshot, CPU work in the background",
 }
+BACKGROUND_MODES = ("overlap_bg", "snapshot_bg")  # cpu_work_at_save=False
 
 
 def add_async_arguments(parser: argparse.ArgumentParser) -> None:
@@ -192,10 +205,11 @@ class DcpAsync(Mode):
 
 
 class FastPersistAsync(Mode):
-    def __init__(self, path: str, policy: str, engine_options: dict[str, Any]) -> None:
+    def __init__(self, path: str, policy: str, engine_options: dict[str, Any],
+                 cpu_work_at_save: bool | None = None) -> None:
         super().__init__(path)
         from .pipeline import AsyncCheckpointer
-        self.ckpt = AsyncCheckpointer(policy=policy, **engine_options)
+        self.ckpt = AsyncCheckpointer(policy=policy, cpu_work_at_save=cpu_work_at_save, **engine_options)
         inner = self.ckpt.fence
 
         def timed_fence() -> None:  # the optimizer pre-hook calls self.fence()
@@ -216,6 +230,12 @@ class FastPersistAsync(Mode):
         self.stats = [h.result() for h in getattr(self, "handles", [])]
 
 
+def _cpu_seconds() -> float:
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ("backend", "queue_depth", "chunk_bytes", "copy_threads", "io_threads")
             if getattr(args, k, None) is not None}
@@ -233,11 +253,16 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         mode = LightningAsync(path)
     elif mode_name == "dcp":
         mode = DcpAsync(path)
+    elif mode_name in BACKGROUND_MODES:
+        mode = FastPersistAsync(path, mode_name.removesuffix("_bg"), engine_options, cpu_work_at_save=False)
     else:
         mode = FastPersistAsync(path, mode_name, engine_options)
     steps = []
     blocked = []
+    cpu0 = 0.0
     for i in range(warmup + iters):
+        if i == warmup:
+            cpu0 = _cpu_seconds()
         b0 = mode.blocked
         t0 = time.perf_counter()
         tr.step()
@@ -246,17 +271,19 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         if i >= warmup:
             steps.append(dt)
             blocked.append(mode.blocked - b0)
+    cpu_per_iter = (_cpu_seconds() - cpu0) / max(1, iters)
     t0 = time.perf_counter()
     mode.drain()
     drain = time.perf_counter() - t0
     out = {"mode": mode_name, "label": LABELS[mode_name], "step_seconds": steps,
            "median_step": statistics.median(steps), "mean_step": statistics.mean(steps),
            "total_seconds": sum(steps), "blocked_per_ckpt": statistics.mean(blocked) if mode_name != "none" else 0.0,
-           "drain_seconds": drain}
+           "drain_seconds": drain, "cpu_per_iter": cpu_per_iter}
     if isinstance(mode, FastPersistAsync) and mode.stats:
         st = mode.stats[-1]
         out["fp_stats"] = {"seconds": st.seconds, "write_seconds": st.write_seconds, "policy": st.policy,
-                           "snapshot_seconds": st.extra.get("snapshot_seconds"), "backend": st.backend}
+                           "snapshot_seconds": st.extra.get("snapshot_seconds"), "backend": st.backend,
+                           "at_save_seconds": st.extra.get("at_save_seconds")}
     for p in (path,):
         if os.path.isdir(p):
             shutil.rmtree(p, ignore_errors=True)
@@ -264,6 +291,7 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
             os.unlink(p)
     del mode
     gc.collect()
+    os.sync()  # a mode's dirty page cache must not be written back during the next one
     return out
 
 
@@ -308,11 +336,32 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     # and disk) over the minutes of the run does not land on whichever mode ran last.
     rounds = max(1, getattr(args, "rounds", 1))
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    # Every mode runs between two no-checkpoint runs and is measured against their mean:
+    # this VM's step time drifts by up to 20% over the minutes of a round, and a baseline
+    # taken only at the start (or the ends) of the round lands that drift on the modes.
+    rounds = max(1, getattr(args, "rounds", 1))
+    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    base_for: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+
+    def run(m: str, rnd: int) -> dict[str, Any]:
+        log(f"  round {rnd + 1}/{rounds}: {LABELS[m]} ...")
+        return run_mode(m, tr, workdir, args.iters, args.warmup, eng)
+
     for rnd in range(rounds):
+        if "none" not in modes:
+            for m in modes:
+                per_mode[m].append(run(m, rnd))
+            continue
+        nones = [run("none", rnd)]
         for m in modes:
-            log(f"  round {rnd + 1}/{rounds}: {LABELS[m]} ...")
-            per_mode[m].append(run_mode(m, tr, workdir, args.iters, args.warmup, eng))
-    results = [merge_rounds(per_mode[m], per_mode.get("none"), per_mode.get("torch")) for m in modes]
+            if m == "none":
+                continue
+            per_mode[m].append(run(m, rnd))
+            nones.append(run("none", rnd))
+            base_for[m].append(_mean_runs(nones[-2:]))
+        per_mode["none"].append(_mean_runs(nones))
+        base_for["none"].append(per_mode["none"][-1])
+    results = [merge_rounds(per_mode[m], base_for[m] or None, per_mode.get("torch")) for m in modes]
     base = next((r for r in results if r["mode"] == "none"), None)
     res = {"checkpoint_bytes": nbytes, "params": nparams, "batch": batch, "iters": args.iters, "rounds": rounds,
            "warmup": args.warmup, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
@@ -328,6 +377,17 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     return 0
 
 
+def _mean_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Baseline runs as one: their steps pooled, totals and CPU averaged."""
+    out = dict(runs[0])
+    out["step_seconds"] = [x for r in runs for x in r["step_seconds"]]
+    for k in ("total_seconds", "cpu_per_iter"):
+        out[k] = statistics.mean(r[k] for r in runs)
+    out["median_step"] = statistics.median(out["step_seconds"])
+    out["mean_step"] = statistics.mean(out["step_seconds"])
+    return out
+
+
 def merge_rounds(runs: list[dict[str, Any]], base: list[dict[str, Any]] | None,
                  sync: list[dict[str, Any]] | None) -> dict[str, Any]:
     """One row from a mode's rounds: slowdown and blocked ratio are medians of per-round
@@ -337,9 +397,12 @@ def merge_rounds(runs: list[dict[str, Any]], base: list[dict[str, Any]] | None,
     out.update(step_seconds=steps, median_step=statistics.median(steps), mean_step=statistics.mean(steps),
                total_seconds=sum(r["total_seconds"] for r in runs),
                blocked_per_ckpt=statistics.mean(r["blocked_per_ckpt"] for r in runs),
-               drain_seconds=max(r["drain_seconds"] for r in runs))
+               drain_seconds=max(r["drain_seconds"] for r in runs),
+               cpu_per_iter=statistics.median(r["cpu_per_iter"] for r in runs))
     out["slowdown_per_round"] = [r["total_seconds"] / b["total_seconds"] - 1 for r, b in zip(runs, base)] if base else []
     out["slowdown"] = statistics.median(out["slowdown_per_round"]) if base else None
+    out["cpu_per_ckpt"] = statistics.median(r["cpu_per_iter"] - b["cpu_per_iter"] for r, b in zip(runs, base)) \
+        if base and out["mode"] != "none" else None
     if sync and all(b["blocked_per_ckpt"] for b in sync):
         out["blocked_vs_torch_save"] = statistics.median(
             r["blocked_per_ckpt"] / b["blocked_per_ckpt"] for r, b in zip(runs, sync))
@@ -367,7 +430,7 @@ def format_async(res: dict[str, Any]) -> str:
              f"torch threads {res['torch_threads']} of {res['cpus']} CPUs, engine {res['engine_options'] or 'defaults'}",
              f"compute per iteration (no checkpoint): {res['compute_seconds']:.2f} s; write alone: fp_core.save "
              f"{w['fastpersist_save']:.2f} s, torch.save+fsync {w['torch_save']:.2f} s", ""]
-    heads = ["", "step s (median)", "slowdown", "blocked/ckpt s", "vs torch.save", "drain at end s"]
+    heads = ["", "step s (median)", "slowdown", "blocked/ckpt s", "vs torch.save", "CPU s/ckpt", "drain at end s"]
     table = []
     for r in res["modes"]:
         table.append([r["label"], f"{r['median_step']:.3f}",
@@ -375,6 +438,7 @@ def format_async(res: dict[str, Any]) -> str:
                       f"{r['blocked_per_ckpt']:.3f}",
                       "-" if r["blocked_vs_torch_save"] is None or r["mode"] == "none"
                       else f"{100 * r['blocked_vs_torch_save']:.1f}%",
+                      "-" if r.get("cpu_per_ckpt") is None else f"{r['cpu_per_ckpt']:.2f}",
                       f"{r['drain_seconds']:.2f}"])
     widths = [max(len(str(x[i])) for x in [heads] + table) for i in range(len(heads))]
     for t in [heads] + table:
@@ -383,8 +447,14 @@ def format_async(res: dict[str, Any]) -> str:
         if r.get("fp_stats"):
             s = r["fp_stats"]
             snap = f", snapshot {s['snapshot_seconds']:.2f} s" if s.get("snapshot_seconds") else ""
+            if s.get("at_save_seconds"):
+                snap += f"; {'copy' if s['policy'] == 'snapshot' else 'checksums'} inside save() {s['at_save_seconds']:.2f} s"
             lines.append(f"  {r['mode']}: last save {s['seconds']:.2f} s in the background (write "
                          f"{s['write_seconds']:.2f} s{snap}, policy {s['policy']})")
+    lines.append("slowdown per round (each against the no-checkpoint runs around it):")
+    for r in res["modes"]:
+        if r["mode"] != "none" and r.get("slowdown_per_round"):
+            lines.append(f"  {r['mode']}: " + ", ".join(f"{100 * x:+.1f}%" for x in r["slowdown_per_round"]))
     lines += format_targets(res["targets"], unit="%")
     return "\n".join(lines)
 

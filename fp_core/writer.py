@@ -177,12 +177,8 @@ def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
 
 
 def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
-                options: EngineOptions, stats: RangeStats, checksum: bool = True) -> list[PieceCrc]:
-    """Write the plan's bytes in [start, end); return the CRC of every storage piece written.
-
-    ``checksum=False`` skips the CRCs (their values are then meaningless): only for
-    measuring what the bytes alone cost (``fastpersist bench --async``'s floor).
-    """
+                options: EngineOptions, stats: RangeStats) -> list[PieceCrc]:
+    """Write the plan's bytes in [start, end); return the CRC of every storage piece written."""
     out: list[PieceCrc] = []
     congruence = max(engine.alignment, engine.mem_alignment)
     for lo, hi in _batches(plan, start, end):
@@ -203,7 +199,7 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
                     extents.append((off, addr, n, crc))
                     owners.append(p)
             t0 = time.perf_counter()
-            crcs, native_stats = engine.write(extents, lo, hi, checksum=checksum, zero_copy=True)
+            crcs, native_stats = engine.write(extents, lo, hi, checksum=True, zero_copy=True)
             stats.add(native_stats, time.perf_counter() - t0)
         finally:
             _release(staged)
