@@ -159,6 +159,7 @@ class _Arena:
         skip = -raw.data_ptr() % _ARENA_ALIGN
         self.buf = raw[skip: skip + nbytes]
         self.pin = pin
+        self.slots: dict[int, torch.Tensor] = {}  # id(extent) -> its copy's place, for one save
 
     def carve(self, extents: list[StorageExtent]) -> list[torch.Tensor]:
         positions, _ = _arena_layout(extents)
@@ -297,14 +298,9 @@ class AsyncCheckpointer:
         storages = prepared.plan.storages if prepared.plan is not None else []
         policy = self._choose_policy(sum(s.length for s in storages))
         small = [s for s in storages if s.length <= self.small_tensor_bytes]
-        try:
-            copy_to_host(small)  # values of buffers that change during forward, fixed now
-        except BaseException:
-            prepared.abort()
-            raise
+        big = [s for s in storages if s.length > self.small_tensor_bytes]
+        arena = self._cpu_work_now(prepared, policy, small, big)
         handle = SaveHandle(prepared.final)
-        big = [s for s in storages if s.host is None]
-        arena = self._cpu_work_now(prepared, policy, big)
 
         def run() -> SaveStats:
             return self._run_save(prepared, policy, big, handle, on_commit, arena)
@@ -489,31 +485,40 @@ class AsyncCheckpointer:
                 self._running = False
                 self._cv.notify_all()
 
-    def _cpu_work_now(self, prepared: Any, policy: str, big: list[StorageExtent]) -> _Arena | None:
-        """The snapshot copy or the checksums of CPU tensors, on the caller's thread and the
-        save pool (see ``cpu_work_at_save``). Returns the arena the copies went into."""
-        if isinstance(prepared, CollectiveSave):
-            return None  # its layout may still move to rank 0's; the peers hear of errors in run()
-        cpu = [s for s in big if s.source.device.type == "cpu"]
+    def _cpu_work_now(self, prepared: Any, policy: str, small: list[StorageExtent],
+                      big: list[StorageExtent]) -> _Arena | None:
+        """The work that happens inside ``save()``: copy the small tensors (buffers that
+        change during forward: fixed now); with ``cpu_work_at_save``, also the snapshot
+        copy or the checksums of the large CPU tensors, spread over the save pool. Returns
+        the arena the snapshot copies went into."""
         at_save = self.cpu_work_at_save
         if at_save is None:
-            at_save = bool(big) and len(cpu) == len(big)
-        if not at_save or not cpu:
-            return None
+            at_save = all(s.source.device.type == "cpu" for s in big)
+        if isinstance(prepared, CollectiveSave):
+            at_save = False  # its layout may still move to rank 0's; the peers hear of errors in run()
         t0 = time.perf_counter()
-        if self._pool is None:
-            n = self.save_threads or max(1, torch.get_num_threads())
-            self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="fastpersist-save")
         arena = None
         try:
-            if policy == "snapshot":
-                arena = self._take_arena(big)
-                carved = dict(zip(map(id, big), arena.carve(big)))
-                stage_cpu(cpu, [carved[id(s)] for s in cpu], run=self._pool.map)
-            else:
-                stage_cpu(cpu, None, run=self._pool.map)
+            small_cpu = [s for s in small if s.source.device.type == "cpu"] if at_save else []
+            copy_to_host([s for s in small if s.source.device.type != "cpu" or not at_save])
+            cpu = [s for s in big if s.source.device.type == "cpu"] if at_save else []
+            if not small_cpu and not cpu:
+                return None
+            pool = self._save_pool()
+            # Copies (small tensors; every large one under snapshot) go into one reusable
+            # arena, copied and checksummed in parallel; device ones get their slot now
+            # and are copied in the background.
+            copied = small_cpu + (big if policy == "snapshot" else [])
+            if copied:
+                arena = self._take_arena(copied)
+                carved = dict(zip(map(id, copied), arena.carve(copied)))
+                arena.slots = carved
+                now = small_cpu + (cpu if policy == "snapshot" else [])
+                stage_cpu(now, [carved[id(s)] for s in now], run=pool.map)
+            if cpu and policy != "snapshot":
+                stage_cpu(cpu, None, run=pool.map)
         except BaseException:
-            for s in big:
+            for s in small + big:
                 s.host, s.host_crcs = None, None
             if arena is not None:
                 self._give_arena(arena)
@@ -522,13 +527,21 @@ class AsyncCheckpointer:
         prepared.stats.extra["at_save_seconds"] = time.perf_counter() - t0
         return arena
 
+    def _save_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            n = self.save_threads or max(1, torch.get_num_threads())
+            self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="fastpersist-save")
+        return self._pool
+
     def _run_save(self, prepared: PreparedSave | CollectiveSave, policy: str, big: list[StorageExtent], handle: SaveHandle,
                   on_commit: Callable[[str, SaveStats], None] | None, arena: _Arena | None = None) -> SaveStats:
         try:
             if policy == "snapshot" and big:
                 t0 = time.perf_counter()
-                arena = arena or self._take_arena(big)
-                todo = [(s, buf) for s, buf in zip(big, arena.carve(big)) if s.host is None]
+                if arena is None:
+                    arena = self._take_arena(big)
+                    arena.slots = dict(zip(map(id, big), arena.carve(big)))
+                todo = [(s, arena.slots[id(s)]) for s in big if s.host is None]
                 try:
                     if todo:
                         snapshot_to_host([s for s, _ in todo], [b for _, b in todo])
@@ -552,9 +565,9 @@ class AsyncCheckpointer:
             on_commit(prepared.final, stats)
         return stats
 
-    def _take_arena(self, big: list[StorageExtent]) -> _Arena:
-        need = _arena_layout(big)[1]
-        pin = any(s.source.device.type == "cuda" for s in big)
+    def _take_arena(self, extents: list[StorageExtent]) -> _Arena:
+        need = _arena_layout(extents)[1]
+        pin = any(s.source.device.type == "cuda" for s in extents)
         with self._cv:
             for i, a in enumerate(self._arenas):
                 if a.buf.numel() >= need and a.pin == pin:
@@ -562,6 +575,7 @@ class AsyncCheckpointer:
         return _Arena(need, pin)
 
     def _give_arena(self, arena: _Arena) -> None:
+        arena.slots = {}
         with self._cv:
             self._arenas.append(arena)
             # keep at most max_in_flight arenas, the largest ones

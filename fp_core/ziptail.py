@@ -137,34 +137,33 @@ def relayout(src: _Sparse, d: Directory, out: _Sparse, residues: dict[str, int],
     pos = 0
     for k, i in enumerate(order):
         e = d.entries[i]
-        fields = list(_LOCAL.unpack(src.pread(e.header_offset, _LOCAL.size)))
-        if fields[0] != _LOCAL_SIG:
-            raise ValueError(f"no zip local header at {e.header_offset}")
-        nlen, elen = fields[9], fields[10]
-        name = src.pread(e.header_offset + _LOCAL.size, nlen)
-        extra = _drop_field(src.pread(e.header_offset + _LOCAL.size + nlen, elen), _PAD_TAG)
-        old_data = e.header_offset + _LOCAL.size + nlen + elen
         nxt = d.entries[order[k + 1]].header_offset if k + 1 < len(order) else d.offset
-        after = src.pread(old_data + e.file_size, nxt - old_data - e.file_size)  # data descriptor
-        if e.name in residues:
-            want, mod = residues[e.name] % modulus, modulus
-        else:
-            want, mod = 0, default_align
-        bare = pos + _LOCAL.size + nlen + len(extra)
-        pad = (want - bare) % mod
+        # The entry's written parts, read once: its header (+ record bytes when they were
+        # written) and, after a skipped record's hole, its data descriptor.
+        segs = _segments_in(src, e.header_offset, nxt - e.header_offset)
+        head = segs[0][1] if segs and segs[0][0] == 0 else b""
+        if len(head) < _LOCAL.size or _LOCAL.unpack_from(head)[0] != _LOCAL_SIG:
+            raise ValueError(f"no zip local header at {e.header_offset}")
+        fields = list(_LOCAL.unpack_from(head))
+        nlen, elen = fields[9], fields[10]
+        old_hdr = _LOCAL.size + nlen + elen
+        if len(head) < old_hdr:
+            raise ValueError(f"zip local header at {e.header_offset} is cut short")
+        name = head[_LOCAL.size: _LOCAL.size + nlen]
+        extra = _drop_field(head[_LOCAL.size + nlen: old_hdr], _PAD_TAG)
+        want, mod = (residues[e.name] % modulus, modulus) if e.name in residues else (0, default_align)
+        pad = (want - (pos + _LOCAL.size + nlen + len(extra))) % mod
         if pad:
             while pad < 4:  # a field needs its 4-byte header
                 pad += mod
             extra += struct.pack("<HH", _PAD_TAG, pad - 4) + b"Z" * (pad - 4)
         fields[10] = len(extra)
-        out.pwrite(pos, _LOCAL.pack(*fields) + name + extra)
-        data_at = pos + _LOCAL.size + nlen + len(extra)
-        for seg_off, seg in _segments_in(src, old_data, e.file_size):
-            out.pwrite(data_at + seg_off, seg)
-        if after:
-            out.pwrite(data_at + e.file_size, after)
+        shift = pos + _LOCAL.size + nlen + len(extra) - old_hdr  # old entry offset -> new file offset
+        out.pwrite(pos, _LOCAL.pack(*fields) + name + extra + head[old_hdr:])
+        for rel, seg in segs[1:]:
+            out.pwrite(rel + shift, seg)
         new_offsets[e.header_offset] = pos
-        pos = data_at + e.file_size + len(after)
+        pos = nxt - e.header_offset + shift
     central, p, raw = bytearray(), 0, d.raw
     for e in d.entries:
         fixed = list(_CENTRAL.unpack_from(raw, p))
