@@ -243,6 +243,7 @@ class AsyncCheckpointer:
             raise ValueError("save_threads must be >= 1")
         self.save_threads = save_threads
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_threads = 1
         self.group, self.topology, self.timeout_s = group, topology, timeout_s
         self.options, rest = EngineOptions.pick(dict(engine_options))
         if rest:
@@ -514,9 +515,9 @@ class AsyncCheckpointer:
                 carved = dict(zip(map(id, copied), arena.carve(copied)))
                 arena.slots = carved
                 now = small_cpu + (cpu if policy == "snapshot" else [])
-                stage_cpu(now, [carved[id(s)] for s in now], run=pool.map)
+                stage_cpu(now, [carved[id(s)] for s in now], pool=pool, threads=self._pool_threads)
             if cpu and policy != "snapshot":
-                stage_cpu(cpu, None, run=pool.map)
+                stage_cpu(cpu, None, pool=pool, threads=self._pool_threads)
         except BaseException:
             for s in small + big:
                 s.host, s.host_crcs = None, None
@@ -529,8 +530,8 @@ class AsyncCheckpointer:
 
     def _save_pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            n = self.save_threads or max(1, torch.get_num_threads())
-            self._pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="fastpersist-save")
+            self._pool_threads = self.save_threads or max(1, torch.get_num_threads())
+            self._pool = ThreadPoolExecutor(max_workers=self._pool_threads, thread_name_prefix="fastpersist-save")
         return self._pool
 
     def _run_save(self, prepared: PreparedSave | CollectiveSave, policy: str, big: list[StorageExtent], handle: SaveHandle,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 import time
 import zlib
-from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,10 +95,10 @@ PARALLEL_CHUNK = 8 << 20  # unit of work when several threads copy or checksum o
 
 
 def stage_cpu(extents: list[StorageExtent], into: list[torch.Tensor] | None = None,
-              run: Callable[..., Iterable[int]] = map) -> None:
+              pool: ThreadPoolExecutor | None = None, threads: int = 1) -> None:
     """Checksum CPU storages (and copy them into ``into``, a snapshot arena, when given)
-    in one pass over the source, in chunks that ``run`` (``map`` or a thread pool's) may
-    spread over threads.
+    in one pass over the source, split over ``threads`` of ``pool`` (one share of nearly
+    equal bytes each: thousands of small pieces cost more as futures than as work).
 
     The CRCs go to each extent's ``host_crcs`` for the ranges :func:`split_congruent`
     will cut it into, so the writer finds them for the zero-copy middle and the staged
@@ -118,8 +118,23 @@ def stage_cpu(extents: list[StorageExtent], into: list[torch.Tensor] | None = No
         _, _, src, dst, n = job
         return _native.copy_crc32c(dst, src, n) if dst else _native.crc32c_addr(src, n)
 
+    def share(part: list[tuple[int, tuple[int, int], int, int, int]]) -> list[int]:
+        return [one(j) for j in part]
+
+    workers = threads if pool is not None else 1
+    if workers > 1 and len(jobs) > 1:
+        total, cuts, acc = sum(j[4] for j in jobs), [0], 0
+        for k, j in enumerate(jobs):
+            acc += j[4]
+            if acc >= total * len(cuts) / workers and len(cuts) < workers:
+                cuts.append(k + 1)
+        cuts.append(len(jobs))
+        parts = [jobs[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+        crcs = [c for part in pool.map(share, parts) for c in part]  # type: ignore[union-attr]
+    else:
+        crcs = share(jobs)
     per: list[dict[tuple[int, int], int]] = [{} for _ in extents]
-    for (i, key, _, _, n), crc in zip(jobs, run(one, jobs)):  # chunks of a range come in order
+    for (i, key, _, _, n), crc in zip(jobs, crcs):  # chunks of a range come in order
         d = per[i]
         d[key] = _native.crc32c_combine(d[key], crc, n) if key in d else crc
     for i, s in enumerate(extents):

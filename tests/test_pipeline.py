@@ -622,7 +622,7 @@ def test_save_threads_share_the_cpu_work(disk_dir, threads):
         path = os.path.join(disk_dir, f"{policy}-{threads}.pt")
         with AsyncCheckpointer(policy=policy, save_threads=threads) as ckpt:
             st = ckpt.save(state, path).result()
-            assert ckpt._pool._max_workers == threads
+            assert ckpt._pool_threads == threads
         assert st.extra["at_save_seconds"] > 0
         fp_core.verify(path)
         assert_identical(expected, fp_core.load(path, verify=True))
