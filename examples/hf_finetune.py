@@ -138,8 +138,8 @@ def main() -> None:
     f_mean = sum(s for _, s in results["fastpersist"][1]) / max(len(results["fastpersist"][1]), 1)
     if f_mean > 0:
         print(f"stall ratio stock/FastPersist: {s_mean / f_mean:.1f}x")
-    print("FastPersist stall = time in the save call (config/tokenizer/json files, pickling, small-tensor "
-          "copies) + fence waits: " + ", ".join(f"{r.blocked_seconds:.3f}+{r.fence_seconds:.3f}" for r in cb.records))
+    print("FastPersist stall = time in the save call (config/tokenizer/json files, pickling, the checksums "
+          "or snapshot copy of CPU tensors) + fence waits: " + ", ".join(f"{r.blocked_seconds:.3f}+{r.fence_seconds:.3f}" for r in cb.records))
     print("FastPersist save -> committed (s): " + ", ".join(f"{r.commit_seconds:.2f}" for r in cb.records))
     print("(stock writes through the page cache with no fsync; FastPersist's files are fsync'ed and "
           "the directory renamed atomically. Wall times on a shared machine drift from run to run.)")
