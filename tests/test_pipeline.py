@@ -628,3 +628,20 @@ def test_save_threads_share_the_cpu_work(disk_dir, threads):
         assert_identical(expected, fp_core.load(path, verify=True))
     with pytest.raises(ValueError, match="save_threads"):
         AsyncCheckpointer(save_threads=0)
+
+
+def test_a_new_snapshot_arena_is_filled_by_the_writer_then_reused_inside_save(disk_dir):
+    """The first snapshot faults its arena's pages in on the background writer, not
+    inside save(); later saves reuse the arena and copy inside save()."""
+    state = {"a": torch.randn(8 * MiB // 4), "b": torch.randn(4 * MiB // 4), "small": torch.arange(10)}
+    big_bytes = 12 * MiB
+    with AsyncCheckpointer(policy="snapshot") as ckpt:
+        first = ckpt.save(state, os.path.join(disk_dir, "1.pt")).result()
+        arena = ckpt._arenas[0]
+        second = ckpt.save(state, os.path.join(disk_dir, "2.pt")).result()
+        assert ckpt._arenas[0] is arena  # reused, not reallocated
+    assert first.extra["at_save_bytes"] < big_bytes <= second.extra["at_save_bytes"]
+    assert first.extra["snapshot_seconds"] > 0
+    for name in ("1.pt", "2.pt"):
+        fp_core.verify(os.path.join(disk_dir, name))
+        assert_identical(state, fp_core.load(os.path.join(disk_dir, name), verify=True))
