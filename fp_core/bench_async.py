@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .bench import format_targets, payload_bytes
+from .procinfo import cpu_seconds
 
 # Run order inside a round (each mode between two no-checkpoint runs): the fp_core modes
 # first, the modes that leave dirty page cache behind (torch.save without O_DIRECT) last.
@@ -230,12 +231,6 @@ class FastPersistAsync(Mode):
         self.stats = [h.result() for h in getattr(self, "handles", [])]
 
 
-def _cpu_seconds() -> float:
-    import resource
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: getattr(args, k) for k in ("backend", "queue_depth", "chunk_bytes", "copy_threads", "io_threads")
             if getattr(args, k, None) is not None}
@@ -262,7 +257,7 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
     cpu0 = 0.0
     for i in range(warmup + iters):
         if i == warmup:
-            cpu0 = _cpu_seconds()
+            cpu0 = cpu_seconds()
         b0 = mode.blocked
         t0 = time.perf_counter()
         tr.step()
@@ -271,7 +266,7 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         if i >= warmup:
             steps.append(dt)
             blocked.append(mode.blocked - b0)
-    cpu_per_iter = (_cpu_seconds() - cpu0) / max(1, iters)
+    cpu_per_iter = (cpu_seconds() - cpu0) / max(1, iters)
     t0 = time.perf_counter()
     mode.drain()
     drain = time.perf_counter() - t0
@@ -331,11 +326,6 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         f"batch {batch}, torch threads {torch.get_num_threads()}, engine options {eng or 'defaults'}")
     writes = measure_writes(tr, workdir, eng)
     log(f"write alone: fp_core.save {writes['fastpersist_save']:.2f} s, torch.save+fsync {writes['torch_save']:.2f} s")
-    # Rounds: every mode runs once per round and its slowdown is taken against the
-    # no-checkpoint run of the same round, so a drift of the machine (a shared VM's CPU
-    # and disk) over the minutes of the run does not land on whichever mode ran last.
-    rounds = max(1, getattr(args, "rounds", 1))
-    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     # Every mode runs between two no-checkpoint runs and is measured against their mean:
     # this VM's step time drifts by up to 20% over the minutes of a round, and a baseline
     # taken only at the start (or the ends) of the round lands that drift on the modes.

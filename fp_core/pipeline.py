@@ -52,7 +52,7 @@ from .engine import EngineOptions
 from .errors import CheckpointError
 from .plan import StorageExtent
 from .stats import SaveStats
-from .writer import copy_to_host, snapshot_to_host, stage_cpu
+from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, snapshot_to_host, stage_cpu
 
 log = logging.getLogger("fastpersist")
 
@@ -138,7 +138,7 @@ class SaveHandle(Handle):
 # A snapshot copy sits in the arena at the same place modulo a page as its storage sits
 # in the file: memory and file offsets then agree modulo the O_DIRECT alignment and the
 # engine writes each copy straight from the arena, with no second (staging) copy.
-_ARENA_ALIGN = 4096
+_ARENA_ALIGN = SNAPSHOT_CONGRUENCE  # the unit stage_cpu checksums the copies' ranges in
 
 
 def _arena_layout(extents: list[StorageExtent]) -> tuple[list[int], int]:

@@ -1,8 +1,9 @@
-"""This process's resources from /proc: what the leak tests, the soak and the bench read."""
+"""This process's resources (/proc, getrusage): what the leak tests, the soak and the benches read."""
 
 from __future__ import annotations
 
 import os
+import resource
 
 
 def fd_count() -> int:
@@ -19,3 +20,9 @@ def status_field(name: str, default: int | None = None) -> int:
     if default is None:
         raise KeyError(name)
     return default
+
+
+def cpu_seconds() -> float:
+    """CPU time this process has used, every thread's, user + system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime

@@ -34,6 +34,7 @@ class _Sparse(Protocol):
     def pread(self, off: int, n: int) -> bytes: ...
     def pwrite(self, off: int, data: bytes) -> None: ...
     def truncate(self, size: int | None = None) -> int: ...
+    def segments_in(self, off: int, n: int) -> list[tuple[int, bytes]]: ...  # written parts, holes left out
 
 
 @dataclass
@@ -140,7 +141,7 @@ def relayout(src: _Sparse, d: Directory, out: _Sparse, residues: dict[str, int],
         nxt = d.entries[order[k + 1]].header_offset if k + 1 < len(order) else d.offset
         # The entry's written parts, read once: its header (+ record bytes when they were
         # written) and, after a skipped record's hole, its data descriptor.
-        segs = _segments_in(src, e.header_offset, nxt - e.header_offset)
+        segs = src.segments_in(e.header_offset, nxt - e.header_offset)
         head = segs[0][1] if segs and segs[0][0] == 0 else b""
         if len(head) < _LOCAL.size or _LOCAL.unpack_from(head)[0] != _LOCAL_SIG:
             raise ValueError(f"no zip local header at {e.header_offset}")
@@ -198,14 +199,6 @@ def _drop_field(extra: bytes, tag: int) -> bytes:
             out += extra[pos: pos + 4 + n]
         pos += 4 + n
     return out
-
-
-def _segments_in(f: _Sparse, off: int, n: int) -> list[tuple[int, bytes]]:
-    """The written parts of ``f`` in [off, off + n), relative to ``off``; holes are left out."""
-    segments = getattr(f, "segments_in", None)
-    if segments is not None:
-        return segments(off, n)
-    return [(0, f.pread(off, n))]
 
 
 def _write_end(f: _Sparse, cd_off: int, central: bytes, count: int, comment: bytes) -> None:
