@@ -127,7 +127,9 @@ def test_crc32c_known_vector():
 
 def test_crc32c_matches_reference_and_buffers():
     rng = np.random.default_rng(1)
-    for size in [1, 7, 8, 63, 4095, 12288, 12289, 40000]:
+    # sizes around both lane lengths of the hardware loop (3 x 4 KiB and 3 x 64 KiB),
+    # so each path and the hand-over between them is checked against the table
+    for size in [1, 7, 8, 63, 4095, 12288, 12289, 40000, 196607, 196608, 196608 + 12288 + 5, 2 * 196608 + 4099]:
         arr = rng.integers(0, 256, size=size, dtype=np.uint8)
         data = arr.tobytes()
         ref = py_crc32c(data)
