@@ -15,6 +15,11 @@ checkpoint after every optimizer step, with each of these side by side in one pr
 * ``overlap_bg`` / ``snapshot_bg``  the same with ``cpu_work_at_save=False``: the copy and
                  the checksums of CPU tensors on the background writer instead of inside
                  ``save()`` (the default for CPU tensors)
+* ``disk``       no checkpoint: the same number of bytes written after each step from a
+                 fixed buffer by the native engine (O_DIRECT, no checksums, no plan,
+                 fsync), on a background thread. What the disk itself costs the step, the
+                 floor under any asynchronous checkpoint of this size on this machine
+                 (on a virtual disk the host's I/O work can slow the guest's cores)
 
 Slowdown = a mode's total step time against the mean of the no-checkpoint runs right
 before and right after it (every mode runs between two), median over ``--rounds``.
@@ -46,9 +51,10 @@ from .procinfo import cpu_seconds
 
 # Run order inside a round (each mode between two no-checkpoint runs): the fp_core modes
 # first, the modes that leave dirty page cache behind (torch.save without O_DIRECT) last.
-MODES = ("none", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "torch", "lightning", "dcp")
+MODES = ("none", "disk", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "torch", "lightning", "dcp")
 LABELS = {
     "none": "no checkpoint",
+    "disk": "  floor: same bytes to disk, no checkpoint",
     "torch": "torch.save + fsync (sync)",
     "lightning": "Lightning AsyncCheckpointIO (clone + thread)",
     "dcp": "torch.distributed.checkpoint.async_save",
@@ -150,6 +156,64 @@ class Mode:
         pass
 
 
+class DiskOnly(Mode):
+    """The checkpoint's byte count written from a fixed aligned buffer after each step
+    (one write in flight; waiting for the previous one counts as blocked)."""
+
+    def __init__(self, path: str, tr: Trainer, engine_options: dict[str, Any]) -> None:
+        super().__init__(path)
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .engine import EngineOptions
+        self.options = EngineOptions(**engine_options)
+        tensors = [t for t in _tensors(tr.state()) if t.device.type == "cpu"]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.raw = torch.empty(self.nbytes + 4096, dtype=torch.uint8)
+        skip = -self.raw.data_ptr() % 4096
+        self.buf = self.raw[skip:skip + self.nbytes]
+        pos = 0
+        for t in tensors:  # the checkpoint's own bytes, should the disk care what it stores
+            n = t.numel() * t.element_size()
+            self.buf[pos:pos + n].copy_(t.detach().reshape(-1).view(torch.uint8))
+            pos += n
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="bench-disk")
+        self.future: Any = None
+
+    def _write(self) -> None:
+        from .engine import open_engine
+        tmp = self.path + ".tmp"  # a new file replacing the last, as a checkpoint commit does
+        eng = open_engine(tmp, self.options)
+        try:
+            eng.write([(0, self.buf.data_ptr(), self.nbytes)], 0, self.nbytes, checksum=False, zero_copy=True)
+            eng.truncate(self.nbytes)
+            eng.sync()
+        finally:
+            eng.close()
+        os.replace(tmp, self.path)
+
+    def save(self, tr: Trainer) -> None:
+        t0 = time.perf_counter()
+        if self.future is not None:
+            self.future.result()
+        self.blocked += time.perf_counter() - t0
+        self.future = self.pool.submit(self._write)
+
+    def drain(self) -> None:
+        if self.future is not None:
+            self.future.result()
+        self.pool.shutdown()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
 class TorchSync(Mode):
     def save(self, tr: Trainer) -> None:
         t0 = time.perf_counter()
@@ -242,6 +306,8 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
     mode: Mode
     if mode_name == "none":
         mode = Mode(path)
+    elif mode_name == "disk":
+        mode = DiskOnly(path, tr, engine_options)
     elif mode_name == "torch":
         mode = TorchSync(path)
     elif mode_name == "lightning":
@@ -357,6 +423,12 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
            "warmup": args.warmup, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
            "engine_options": eng, "compute_seconds": base["median_step"] if base else None,
            "write_alone_seconds": writes, "modes": results}
+    floor = next((r for r in results if r["mode"] == "disk" and r["slowdown_per_round"]), None)
+    if floor:
+        for r in results:
+            if r["mode"] not in ("none", "disk") and r["slowdown_per_round"]:
+                r["over_floor"] = statistics.median(
+                    a - b for a, b in zip(r["slowdown_per_round"], floor["slowdown_per_round"]))
     res["targets"] = async_targets(res)
     if getattr(args, "plot", None):
         plot_async(res, args.plot)
@@ -445,6 +517,10 @@ def format_async(res: dict[str, Any]) -> str:
     for r in res["modes"]:
         if r["mode"] != "none" and r.get("slowdown_per_round"):
             lines.append(f"  {r['mode']}: " + ", ".join(f"{100 * x:+.1f}%" for x in r["slowdown_per_round"]))
+    over = [r for r in res["modes"] if r.get("over_floor") is not None]
+    if over:
+        lines.append("slowdown beyond the disk floor (per round, the mode's minus the floor's; median):")
+        lines += [f"  {r['mode']}: {100 * r['over_floor']:+.1f} points" for r in over]
     lines += format_targets(res["targets"], unit="%")
     return "\n".join(lines)
 
