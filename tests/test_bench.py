@@ -94,3 +94,25 @@ def test_async_bench_reports_slowdown_beyond_the_disk_floor(tmp_path):
     assert modes["overlap"]["over_floor"] == pytest.approx(sum(a - b for a, b in zip(ov, floor)) / 2)
     assert "over_floor" not in modes["disk"] and "over_floor" not in modes["none"]
     assert os.listdir(tmp_path / "a") == []
+
+
+def test_calibration_lands_within_tolerance_of_a_nonlinear_step(monkeypatch):
+    """The batch search converges on a step time that is far from linear in the batch
+    (a clock advanced by the fake step, so the test does not depend on this machine)."""
+    import fp_core.bench_async as ba
+
+    def cost_ms(b: int) -> float:
+        return 5 + 0.002 * b ** 1.5
+
+    class Fake:
+        now = 0.0
+
+        def set_batch(self, b: int) -> None:
+            self.b = b
+
+        def step(self) -> None:
+            Fake.now += cost_ms(self.b) / 1e3
+
+    monkeypatch.setattr(ba.time, "perf_counter", lambda: Fake.now)
+    batch = ba.calibrate_batch(Fake(), 2000.0)  # type: ignore[arg-type]
+    assert abs(cost_ms(batch) - 2000.0) <= 0.05 * 2000.0
