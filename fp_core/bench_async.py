@@ -17,9 +17,10 @@ checkpoint after every optimizer step, with each of these side by side in one pr
                  ``save()`` (the default for CPU tensors)
 * ``disk``       no checkpoint: the same number of bytes written after each step from a
                  fixed buffer by the native engine (O_DIRECT, no checksums, no plan,
-                 fsync), on a background thread. What the disk itself costs the step, the
-                 floor under any asynchronous checkpoint of this size on this machine
-                 (on a virtual disk the host's I/O work can slow the guest's cores)
+                 fsync), on a background thread, from ordinary memory (4 KiB pages where
+                 THP is "madvise"). What the disk itself costs the step: on a virtual disk
+                 the host's I/O work slows the guest's cores, by the page written
+                 (AsyncCheckpointer's ``huge_pages`` writes from 2 MiB pages to avoid it)
 
 Slowdown = a mode's total step time against the mean of the no-checkpoint runs right
 before and right after it (every mode runs between two), median over ``--rounds``.
@@ -54,7 +55,7 @@ from .procinfo import cpu_seconds
 MODES = ("none", "disk", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "torch", "lightning", "dcp")
 LABELS = {
     "none": "no checkpoint",
-    "disk": "  floor: same bytes to disk, no checkpoint",
+    "disk": "  floor: same bytes to disk (4 KiB pages), no ckpt",
     "torch": "torch.save + fsync (sync)",
     "lightning": "Lightning AsyncCheckpointIO (clone + thread)",
     "dcp": "torch.distributed.checkpoint.async_save",
@@ -300,6 +301,7 @@ class FastPersistAsync(Mode):
     def drain(self) -> None:
         self.ckpt.close()
         self.stats = [h.result() for h in getattr(self, "handles", [])]
+        self.huge_page_bytes = self.ckpt.huge_page_bytes
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -351,7 +353,8 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         st = mode.stats[-1]
         out["fp_stats"] = {"seconds": st.seconds, "write_seconds": st.write_seconds, "policy": st.policy,
                            "snapshot_seconds": st.extra.get("snapshot_seconds"), "backend": st.backend,
-                           "at_save_seconds": st.extra.get("at_save_seconds")}
+                           "at_save_seconds": st.extra.get("at_save_seconds"),
+                           "huge_page_bytes": mode.huge_page_bytes}
     for p in (path,):
         if os.path.isdir(p):
             shutil.rmtree(p, ignore_errors=True)
@@ -518,6 +521,8 @@ def format_async(res: dict[str, Any]) -> str:
             snap = f", snapshot {s['snapshot_seconds']:.2f} s" if s.get("snapshot_seconds") else ""
             if s.get("at_save_seconds"):
                 snap += f"; {'copy' if s['policy'] == 'snapshot' else 'checksums'} inside save() {s['at_save_seconds']:.2f} s"
+            if s.get("huge_page_bytes"):
+                snap += f"; live tensors moved to huge pages {s['huge_page_bytes'] / 1e9:.2f} GB"
             lines.append(f"  {r['mode']}: last save {s['seconds']:.2f} s in the background (write "
                          f"{s['write_seconds']:.2f} s{snap}, policy {s['policy']})")
     lines.append("slowdown per round (each against the no-checkpoint runs around it):")

@@ -25,6 +25,15 @@ So by default that work runs inside ``save()``, spread over the training's threa
 left with the I/O. With device tensors, the host's cores are free during the step and
 the work stays in the background.
 
+Huge pages under the bytes written (``huge_pages``): O_DIRECT pins and maps the source
+memory page by page for every request, and on a virtual disk the host's share of that
+work slows the guest's cores while the write runs (measured here: 0.05-0.08 s of a
+CPU-bound training step per GB written from 4 KiB pages, ~0 from 2 MiB pages). So the
+snapshot arena is advised onto transparent huge pages before its first use, and live CPU
+tensors that the overlap policy writes in place are moved onto them once (MADV_COLLAPSE),
+on a side thread after the first write that reads them: a one-time copy, transparent to
+the tensors' contents. Where the kernel declines, nothing changes.
+
 Errors in the background are never dropped: each is raised once, at the next ``save``,
 ``fence``, ``wait`` or ``close`` (or by ``handle.result()``), chained to the original.
 """
@@ -45,7 +54,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import remote
+from . import _native, remote
 from .api import PreparedSave
 from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave
 from .engine import EngineOptions
@@ -139,6 +148,7 @@ class SaveHandle(Handle):
 # in the file: memory and file offsets then agree modulo the O_DIRECT alignment and the
 # engine writes each copy straight from the arena, with no second (staging) copy.
 _ARENA_ALIGN = SNAPSHOT_CONGRUENCE  # the unit stage_cpu checksums the copies' ranges in
+_HUGE_PAGE = 2 << 20
 
 
 def _arena_layout(extents: list[StorageExtent]) -> tuple[list[int], int]:
@@ -154,11 +164,15 @@ def _arena_layout(extents: list[StorageExtent]) -> tuple[list[int], int]:
 class _Arena:
     """A reusable host buffer that snapshot copies are carved from (kept across saves)."""
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        raw = torch.empty(nbytes + _ARENA_ALIGN, dtype=torch.uint8, pin_memory=pin)
-        skip = -raw.data_ptr() % _ARENA_ALIGN
+    def __init__(self, nbytes: int, pin: bool, huge: bool = False) -> None:
+        huge = huge and not pin  # pinned memory is the CUDA driver's to lay out
+        align = _HUGE_PAGE if huge else _ARENA_ALIGN  # a multiple of _ARENA_ALIGN
+        raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+        skip = -raw.data_ptr() % align
         self.buf = raw[skip: skip + nbytes]
         self.pin = pin
+        # Advised before any page is touched, so the first fill faults in huge pages.
+        self.huge_bytes = _native.advise_huge(self.buf.data_ptr(), nbytes) if huge else 0
         self.slots: dict[int, torch.Tensor] = {}  # id(extent) -> its copy's place, for one save
         self.fresh = True  # no page touched yet: the first copy into it faults every page in
 
@@ -209,6 +223,12 @@ class AsyncCheckpointer:
             instead of on the background writer. None (default): when every large tensor
             is on the CPU (see module doc).
         save_threads: threads for that work (default ``torch.get_num_threads()``).
+        huge_pages: put the memory the writes read on transparent huge pages (module
+            doc): the snapshot arena from its first use; live CPU tensors written in
+            place by the overlap policy are collapsed onto them once, on a side thread
+            after the first write that reads them (a one-time copy: ~3.7 s of one core
+            for 1.1 GB on this project's VM). ``huge_page_bytes`` counts what moved.
+            Default True; False leaves every page as it is.
         writer_nice: scheduling niceness added to the writer thread and the engine
             threads it starts (Linux: per thread, inherited). 0 (default) keeps the
             caller's: measured on 2 CPUs, nice 19 starved the snapshot copy and the
@@ -223,7 +243,7 @@ class AsyncCheckpointer:
     def __init__(self, policy: str = "auto", max_in_flight: int = 1, when_busy: str = "wait",
                  snapshot_budget_bytes: int | None = None, small_tensor_bytes: int = 1 << 20,
                  install_optimizer_hook: bool = True, cpu_work_at_save: bool | None = None,
-                 save_threads: int | None = None, writer_nice: int = 0,
+                 save_threads: int | None = None, writer_nice: int = 0, huge_pages: bool = True,
                  group: Any = None, topology: Any = "replica",
                  timeout_s: float = DEFAULT_TIMEOUT_S, **engine_options: Any) -> None:
         if policy not in POLICIES:
@@ -243,6 +263,10 @@ class AsyncCheckpointer:
         if save_threads is not None and save_threads < 1:
             raise ValueError("save_threads must be >= 1")
         self.save_threads = save_threads
+        self.huge_pages = huge_pages
+        self.huge_page_bytes = 0  # live tensor bytes collapsed onto huge pages so far
+        self._huge_seen: set[tuple[int, int]] = set()  # (address, length) already asked for
+        self._huge_pool: ThreadPoolExecutor | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._pool_threads = 1
         self.group, self.topology, self.timeout_s = group, topology, timeout_s
@@ -313,6 +337,8 @@ class AsyncCheckpointer:
             self._jobs.append((handle, run))
             self._ensure_worker()
             self._cv.notify_all()
+        if self.huge_pages and policy == "overlap":
+            self._collapse_after(handle, [s for s in big if s.source.device.type == "cpu"])
         self._install_hook()
         prepared.stats.blocked_seconds = time.perf_counter() - t0
         return handle
@@ -404,6 +430,9 @@ class AsyncCheckpointer:
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None
+            if self._huge_pool is not None:
+                self._huge_pool.shutdown()  # a collapse in progress finishes (bounded)
+                self._huge_pool = None
             _live.discard(self)
 
     def __enter__(self) -> AsyncCheckpointer:
@@ -571,6 +600,35 @@ class AsyncCheckpointer:
             on_commit(prepared.final, stats)
         return stats
 
+    def _collapse_after(self, handle: SaveHandle, extents: list[StorageExtent]) -> None:
+        """Move live tensors the overlap policy writes in place onto huge pages, once each,
+        after ``handle``'s write has read them (so it never delays a save). Training may
+        run meanwhile: a collapse keeps contents, and the kernel skips pages under I/O."""
+        todo = []
+        for s in extents:
+            key = (s.source.data_ptr(), s.length)
+            if key not in self._huge_seen:
+                todo.append(key)
+        if not todo:
+            return
+        if len(self._huge_seen) > 100_000:  # storages come and go: keep the set bounded
+            self._huge_seen.clear()
+        self._huge_seen.update(todo)
+
+        def collapse() -> None:
+            handle._staged.wait()
+            for addr, n in todo:
+                self.huge_page_bytes += _native.advise_huge(addr, n, collapse=True)
+
+        if self._huge_pool is None:
+            self._huge_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastpersist-hugepages")
+        self._huge_pool.submit(collapse)
+
+    def wait_huge_pages(self) -> None:
+        """Block until the huge-page moves asked for so far are done (tests, benchmarks)."""
+        if self._huge_pool is not None:
+            self._huge_pool.submit(lambda: None).result()
+
     def _take_arena(self, extents: list[StorageExtent]) -> _Arena:
         need = _arena_layout(extents)[1]
         pin = any(s.source.device.type == "cuda" for s in extents)
@@ -578,7 +636,7 @@ class AsyncCheckpointer:
             for i, a in enumerate(self._arenas):
                 if a.buf.numel() >= need and a.pin == pin:
                     return self._arenas.pop(i)
-        return _Arena(need, pin)
+        return _Arena(need, pin, huge=self.huge_pages)
 
     def _give_arena(self, arena: _Arena) -> None:
         arena.slots, arena.fresh = {}, False

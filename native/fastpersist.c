@@ -2313,6 +2313,44 @@ static PyObject *mod_crc32c_combine(PyObject *m, PyObject *args)
     return PyLong_FromUnsignedLong(crc32c_combine((uint32_t)c1, (uint32_t)c2, (uint64_t)len2));
 }
 
+/* Transparent huge pages under a caller's memory (the 2 MiB-aligned interior of
+ * [addr, addr+n)).  The bytes written from that memory with O_DIRECT are pinned and
+ * mapped page by page for every request; on a virtual disk the host's share of that
+ * work slows the guest's own cores while the write runs.  Measured on this project's
+ * 2-core VM, alternating runs: a write from 4 KiB pages cost a CPU-bound training step
+ * 0.05-0.08 s per GB written, from huge pages ~0 (and wrote 2.0-2.15 GB/s vs 1.73).
+ * advise: MADV_HUGEPAGE, so pages faulted in later are huge (a fresh buffer);
+ * collapse: also MADV_COLLAPSE (Linux 6.1+), which moves memory already in use onto
+ * huge pages now, copying it (slow: ~0.3 GB/s on first use of guest memory here).
+ * Both are hints that leave the contents as they are.  Returns the bytes the calls
+ * covered, 0 where the kernel refused (no THP, old kernel, memory pinned). */
+#ifndef MADV_COLLAPSE
+#define MADV_COLLAPSE 25
+#endif
+static PyObject *mod_advise_huge(PyObject *m, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"addr", "length", "collapse", NULL};
+    unsigned long long addr, n;
+    int collapse = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK|$p", kwlist, &addr, &n, &collapse))
+        return NULL;
+    uintptr_t lo = ((uintptr_t)addr + HUGE_SZ - 1) & ~(uintptr_t)(HUGE_SZ - 1);
+    uintptr_t hi = ((uintptr_t)addr + (uintptr_t)n) & ~(uintptr_t)(HUGE_SZ - 1);
+    if (hi <= lo)
+        return PyLong_FromLong(0);
+    int rc = 0;
+#ifdef MADV_HUGEPAGE
+    Py_BEGIN_ALLOW_THREADS
+    rc = madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+    if (rc == 0 && collapse)
+        rc = madvise((void *)lo, hi - lo, MADV_COLLAPSE);
+    Py_END_ALLOW_THREADS
+#else
+    rc = -1;
+#endif
+    return PyLong_FromUnsignedLongLong(rc == 0 ? (unsigned long long)(hi - lo) : 0);
+}
+
 static PyObject *mod_release_staging(PyObject *m, PyObject *unused)
 {
     Py_BEGIN_ALLOW_THREADS
@@ -2391,6 +2429,10 @@ static PyMethodDef module_methods[] = {
      "CRC-32C of the bytes, in one pass (GIL released). The ranges must not overlap."},
     {"crc32c_combine", (PyCFunction)mod_crc32c_combine, METH_VARARGS,
      "crc32c_combine(crc1, crc2, len2) -> int: CRC-32C of A||B from crc(A), crc(B) and len(B)."},
+    {"advise_huge", (PyCFunction)(void (*)(void))mod_advise_huge, METH_VARARGS | METH_KEYWORDS,
+     "advise_huge(addr, length, *, collapse=False) -> int: transparent huge pages under the\n"
+     "2 MiB-aligned interior of raw memory (MADV_HUGEPAGE; with collapse, MADV_COLLAPSE too,\n"
+     "GIL released). Returns the bytes covered, 0 where the kernel refused."},
     {"release_staging", (PyCFunction)mod_release_staging, METH_NOARGS,
      "release_staging(): free the process-wide staging-buffer pool (buffers in use are freed when returned)."},
     {"staging_bytes", (PyCFunction)mod_staging_bytes, METH_NOARGS,
