@@ -15,6 +15,8 @@ checkpoint after every optimizer step, with each of these side by side in one pr
 * ``overlap_bg`` / ``snapshot_bg``  the same with ``cpu_work_at_save=False``: the copy and
                  the checksums of CPU tensors on the background writer instead of inside
                  ``save()`` (the default for CPU tensors)
+* ``overlap_huge``  overlap with ``collapse_live_tensors=True``: the live tensors are
+                 moved onto huge pages once (in the first round; they stay there)
 * ``disk``       no checkpoint: the same number of bytes written after each step from a
                  fixed buffer by the native engine (O_DIRECT, no checksums, no plan,
                  fsync), on a background thread, from ordinary memory (4 KiB pages where
@@ -52,7 +54,7 @@ from .procinfo import cpu_seconds
 
 # Run order inside a round (each mode between two no-checkpoint runs): the fp_core modes
 # first, the modes that leave dirty page cache behind (torch.save without O_DIRECT) last.
-MODES = ("none", "disk", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "torch", "lightning", "dcp")
+MODES = ("none", "disk", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "overlap_huge", "torch", "lightning", "dcp")
 LABELS = {
     "none": "no checkpoint",
     "disk": "  floor: same bytes to disk (4 KiB pages), no ckpt",
@@ -63,6 +65,7 @@ LABELS = {
     "snapshot": "fp_core AsyncCheckpointer(policy='snapshot')",
     "overlap_bg": "  overlap, CPU work in the background",
     "snapshot_bg": "  snapshot, CPU work in the background",
+    "overlap_huge": "  overlap, live tensors moved to huge pages",
 }
 BACKGROUND_MODES = ("overlap_bg", "snapshot_bg")  # cpu_work_at_save=False
 
@@ -279,10 +282,11 @@ class DcpAsync(Mode):
 
 class FastPersistAsync(Mode):
     def __init__(self, path: str, policy: str, engine_options: dict[str, Any],
-                 cpu_work_at_save: bool | None = None) -> None:
+                 cpu_work_at_save: bool | None = None, collapse_live_tensors: bool = False) -> None:
         super().__init__(path)
         from .pipeline import AsyncCheckpointer
-        self.ckpt = AsyncCheckpointer(policy=policy, cpu_work_at_save=cpu_work_at_save, **engine_options)
+        self.ckpt = AsyncCheckpointer(policy=policy, cpu_work_at_save=cpu_work_at_save,
+                                      collapse_live_tensors=collapse_live_tensors, **engine_options)
         inner = self.ckpt.fence
 
         def timed_fence() -> None:  # the optimizer pre-hook calls self.fence()
@@ -323,6 +327,8 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         mode = LightningAsync(path)
     elif mode_name == "dcp":
         mode = DcpAsync(path)
+    elif mode_name == "overlap_huge":
+        mode = FastPersistAsync(path, "overlap", engine_options, collapse_live_tensors=True)
     elif mode_name in BACKGROUND_MODES:
         mode = FastPersistAsync(path, mode_name.removesuffix("_bg"), engine_options, cpu_work_at_save=False)
     else:

@@ -27,12 +27,16 @@ the work stays in the background.
 
 Huge pages under the bytes written (``huge_pages``): O_DIRECT pins and maps the source
 memory page by page for every request, and on a virtual disk the host's share of that
-work slows the guest's cores while the write runs (measured here: 0.05-0.08 s of a
-CPU-bound training step per GB written from 4 KiB pages, ~0 from 2 MiB pages). So the
-snapshot arena is advised onto transparent huge pages before its first use, and live CPU
-tensors that the overlap policy writes in place are moved onto them once (MADV_COLLAPSE),
-on a side thread after the first write that reads them: a one-time copy, transparent to
-the tensors' contents. Where the kernel declines, nothing changes.
+work slows the guest's cores while the write runs (measured here with the engine
+rewriting 1 GiB in a loop beside a training step: 0.05-0.08 s of the step per GB written
+from 4 KiB pages, ~0 from 2 MiB pages). So the snapshot arena is advised onto transparent
+huge pages before its first use (``huge_pages``, default on: our own memory, no copy).
+With ``collapse_live_tensors``, live CPU tensors that the overlap policy writes in place
+are moved onto them too, once (MADV_COLLAPSE), on a side thread after the first write that
+reads them: a one-time copy, transparent to the contents. It is off by default: that copy
+cost ~3.7 s of a core for 1.1 GB here (+28-40% on the next few steps), and in the whole
+pipeline the steady-state gain (~4% of a 1.7 s step expected) did not stand out of this
+VM's noise. Where the kernel declines, nothing changes.
 
 Errors in the background are never dropped: each is raised once, at the next ``save``,
 ``fence``, ``wait`` or ``close`` (or by ``handle.result()``), chained to the original.
@@ -223,12 +227,12 @@ class AsyncCheckpointer:
             instead of on the background writer. None (default): when every large tensor
             is on the CPU (see module doc).
         save_threads: threads for that work (default ``torch.get_num_threads()``).
-        huge_pages: put the memory the writes read on transparent huge pages (module
-            doc): the snapshot arena from its first use; live CPU tensors written in
-            place by the overlap policy are collapsed onto them once, on a side thread
-            after the first write that reads them (a one-time copy: ~3.7 s of one core
-            for 1.1 GB on this project's VM). ``huge_page_bytes`` counts what moved.
-            Default True; False leaves every page as it is.
+        huge_pages: the snapshot arena on transparent huge pages (module doc; default
+            True).
+        collapse_live_tensors: also move live CPU tensors written in place by the overlap
+            policy onto huge pages, once each, on a side thread after the first write that
+            reads them (a one-time copy: ~3.7 s of one core for 1.1 GB on this project's
+            VM; default False). ``huge_page_bytes`` counts what moved.
         writer_nice: scheduling niceness added to the writer thread and the engine
             threads it starts (Linux: per thread, inherited). 0 (default) keeps the
             caller's: measured on 2 CPUs, nice 19 starved the snapshot copy and the
@@ -244,6 +248,7 @@ class AsyncCheckpointer:
                  snapshot_budget_bytes: int | None = None, small_tensor_bytes: int = 1 << 20,
                  install_optimizer_hook: bool = True, cpu_work_at_save: bool | None = None,
                  save_threads: int | None = None, writer_nice: int = 0, huge_pages: bool = True,
+                 collapse_live_tensors: bool = False,
                  group: Any = None, topology: Any = "replica",
                  timeout_s: float = DEFAULT_TIMEOUT_S, **engine_options: Any) -> None:
         if policy not in POLICIES:
@@ -264,6 +269,7 @@ class AsyncCheckpointer:
             raise ValueError("save_threads must be >= 1")
         self.save_threads = save_threads
         self.huge_pages = huge_pages
+        self.collapse_live_tensors = collapse_live_tensors
         self.huge_page_bytes = 0  # live tensor bytes collapsed onto huge pages so far
         self._huge_seen: set[tuple[int, int]] = set()  # (address, length) already asked for
         self._huge_pool: ThreadPoolExecutor | None = None
@@ -337,7 +343,7 @@ class AsyncCheckpointer:
             self._jobs.append((handle, run))
             self._ensure_worker()
             self._cv.notify_all()
-        if self.huge_pages and policy == "overlap":
+        if self.collapse_live_tensors and policy == "overlap":
             self._collapse_after(handle, [s for s in big if s.source.device.type == "cpu"])
         self._install_hook()
         prepared.stats.blocked_seconds = time.perf_counter() - t0

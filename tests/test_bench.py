@@ -85,7 +85,7 @@ def test_disk_floor_writes_the_checkpoints_bytes(tmp_path):
 
 @pytest.mark.filterwarnings("ignore")
 def test_async_bench_reports_slowdown_beyond_the_disk_floor(tmp_path):
-    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,disk,overlap", "--iters", "2",
+    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,disk,overlap,overlap_huge", "--iters", "2",
                   "--warmup", "1", "--rounds", "2", "--width", "64", "--layers", "2", "--batch", "8"],
                  cwd=str(tmp_path))
     modes = {m["mode"]: m for m in res["modes"]}
@@ -93,6 +93,7 @@ def test_async_bench_reports_slowdown_beyond_the_disk_floor(tmp_path):
     assert ov and len(floor) == len(ov) == 2
     assert modes["overlap"]["over_floor"] == pytest.approx(sum(a - b for a, b in zip(ov, floor)) / 2)
     assert "over_floor" not in modes["disk"] and "over_floor" not in modes["none"]
+    assert modes["overlap_huge"]["fp_stats"]["policy"] == "overlap"
     assert os.listdir(tmp_path / "a") == []
 
 

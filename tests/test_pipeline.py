@@ -691,8 +691,8 @@ def test_advise_huge_collapses_memory_in_use_and_keeps_its_bytes():
     assert torch.equal(t, before)
 
 
-@pytest.mark.parametrize("huge", [True, False])
-def test_overlap_moves_live_tensors_onto_huge_pages_once(disk_dir, huge):
+@pytest.mark.parametrize("huge", [True, False], ids=["collapse", "default"])
+def test_overlap_moves_live_tensors_onto_huge_pages_once_when_asked(disk_dir, huge):
     from fp_core.procinfo import huge_page_bytes
     _needs_thp()
     keep: list = []
@@ -701,7 +701,7 @@ def test_overlap_moves_live_tensors_onto_huge_pages_once(disk_dir, huge):
         model.weight.data = _isolated(16 * MiB, keep).view(torch.float32).view(2048, 2048).copy_(model.weight)
     w = model.weight
     path = os.path.join(disk_dir, "live.pt")
-    with AsyncCheckpointer(policy="overlap", huge_pages=huge) as ckpt:
+    with AsyncCheckpointer(policy="overlap", collapse_live_tensors=huge) as ckpt:
         expected = copy.deepcopy(model.state_dict())
         ckpt.save(model.state_dict(), path).result()
         ckpt.wait_huge_pages()
@@ -722,17 +722,21 @@ def test_overlap_moves_live_tensors_onto_huge_pages_once(disk_dir, huge):
         assert moved == 0
 
 
-def test_snapshot_arena_is_on_huge_pages(disk_dir):
+@pytest.mark.parametrize("huge", [True, False])
+def test_snapshot_arena_is_on_huge_pages(disk_dir, huge):
     from fp_core.procinfo import huge_page_bytes
     _needs_thp()
     obj = big_obj(32)
     path = os.path.join(disk_dir, "snap.pt")
-    with AsyncCheckpointer(policy="snapshot") as ckpt:
+    with AsyncCheckpointer(policy="snapshot", huge_pages=huge) as ckpt:
         for _ in range(2):  # the first fill (background) and a reuse (inside save())
             ckpt.save(obj, path).result()
         arena = ckpt._arenas[0]
-        assert arena.buf.data_ptr() % (2 * MiB) == 0
-        assert arena.huge_bytes >= 30 * MiB
-        assert huge_page_bytes(arena.buf.data_ptr(), arena.buf.numel()) >= 0.9 * arena.huge_bytes
+        if huge:
+            assert arena.buf.data_ptr() % (2 * MiB) == 0
+            assert arena.huge_bytes >= 30 * MiB
+            assert huge_page_bytes(arena.buf.data_ptr(), arena.buf.numel()) >= 0.9 * arena.huge_bytes
+        else:
+            assert arena.huge_bytes == 0  # not advised (THP "always" may still back it)
         assert ckpt.huge_page_bytes == 0  # the live tensor was copied, not moved
     assert_identical(obj, torch.load(path, weights_only=True))
