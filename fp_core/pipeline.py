@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import mmap
 import os
 import threading
 import time
@@ -170,8 +171,16 @@ class _Arena:
 
     def __init__(self, nbytes: int, pin: bool, huge: bool = False) -> None:
         huge = huge and not pin  # pinned memory is the CUDA driver's to lay out
-        align = _HUGE_PAGE if huge else _ARENA_ALIGN  # a multiple of _ARENA_ALIGN
-        raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=pin)
+        self._map: mmap.mmap | None = None
+        if huge:
+            # A mapping of its own: malloc may hand back heap pages already touched (as
+            # 4 KiB pages), and the advice only shapes pages faulted in after it.
+            self._map = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8)
+            align = _HUGE_PAGE
+        else:
+            raw = torch.empty(nbytes + _ARENA_ALIGN, dtype=torch.uint8, pin_memory=pin)
+            align = _ARENA_ALIGN
         skip = -raw.data_ptr() % align
         self.buf = raw[skip: skip + nbytes]
         self.pin = pin
