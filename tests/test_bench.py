@@ -85,7 +85,7 @@ def test_disk_floor_writes_the_checkpoints_bytes(tmp_path):
 
 @pytest.mark.filterwarnings("ignore")
 def test_async_bench_reports_slowdown_beyond_the_disk_floor(tmp_path):
-    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,disk,overlap,overlap_huge", "--iters", "2",
+    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,disk,overlap", "--iters", "2",
                   "--warmup", "1", "--rounds", "2", "--width", "64", "--layers", "2", "--batch", "8"],
                  cwd=str(tmp_path))
     modes = {m["mode"]: m for m in res["modes"]}
@@ -93,7 +93,19 @@ def test_async_bench_reports_slowdown_beyond_the_disk_floor(tmp_path):
     assert ov and len(floor) == len(ov) == 2
     assert modes["overlap"]["over_floor"] == pytest.approx(sum(a - b for a, b in zip(ov, floor)) / 2)
     assert "over_floor" not in modes["disk"] and "over_floor" not in modes["none"]
-    assert modes["overlap_huge"]["fp_stats"]["policy"] == "overlap"
+
+
+
+def test_overlap_huge_runs_only_beside_the_baselines(tmp_path):
+    args = ["--async", "--dir", str(tmp_path / "a"), "--iters", "1", "--warmup", "0", "--rounds", "1",
+            "--width", "64", "--layers", "2", "--batch", "8"]
+    res = _bench(args + ["--modes", "none,disk,overlap_huge"], cwd=str(tmp_path))
+    assert [m["mode"] for m in res["modes"]] == ["none", "disk", "overlap_huge"]
+    assert res["modes"][2]["fp_stats"]["policy"] == "overlap"
+    out = subprocess.run([sys.executable, "-m", "fp_core.bench", *args, "--modes", "none,overlap,overlap_huge"],
+                         cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode != 0 and "overlap_huge moves the trainer's tensors" in out.stderr
     assert os.listdir(tmp_path / "a") == []
 
 
