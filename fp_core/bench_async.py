@@ -487,7 +487,7 @@ def merge_rounds(runs: list[dict[str, Any]], base: list[dict[str, Any]] | None,
     out["slowdown"] = statistics.median(out["slowdown_per_round"]) if base else None
     out["cpu_per_ckpt"] = statistics.median(r["cpu_per_iter"] - b["cpu_per_iter"] for r, b in zip(runs, base)) \
         if base and out["mode"] != "none" else None
-    if sync and all(b["blocked_per_ckpt"] for b in sync):
+    if sync and all(b["blocked_per_ckpt"] for b in sync) and out["mode"] not in ("none", "disk"):
         out["blocked_vs_torch_save"] = statistics.median(
             r["blocked_per_ckpt"] / b["blocked_per_ckpt"] for r, b in zip(runs, sync))
     else:

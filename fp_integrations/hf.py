@@ -285,7 +285,9 @@ class FastPersistCallback(TrainerCallback):
             default: fsspec's own configuration.
         keep_local: with ``remote_dir``, keep the local copies after upload (default
             False: removed once uploaded, except the best model checkpoint).
-        **engine_options: fp_core engine options (backend, queue_depth, ...).
+        **engine_options: fp_core engine options (backend, queue_depth, ...) and other
+            ``AsyncCheckpointer`` options (``huge_pages``, ``collapse_live_tensors``,
+            ``snapshot_budget_bytes``, ...).
     """
 
     def __init__(self, trainer: Trainer | None = None, *, policy: str = "auto", max_in_flight: int = 1,

@@ -204,7 +204,8 @@ class _FastPersistIOImpl:
                 ``load_checkpoint`` of it skips the download (see :mod:`fp_core.remote`).
             **options: engine options (``backend``, ``queue_depth``, ``chunk_bytes``,
                 ``copy_threads``, ``io_threads``) and other ``AsyncCheckpointer`` options
-                (``snapshot_budget_bytes``, ``small_tensor_bytes``, ``when_busy``).
+                (``snapshot_budget_bytes``, ``small_tensor_bytes``, ``when_busy``, ``huge_pages``,
+                ``collapse_live_tensors``).
         """
         super().__init__()
         if on_error not in ("raise", "warn"):

@@ -481,3 +481,14 @@ def test_resume_refuses_a_corrupt_checkpoint(tmp_path, damage):
     third, _ = make_trainer(tmp_path, fp=True, max_steps=6, save_steps=2)
     third.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert third.state.global_step == 6
+
+
+def test_checkpointer_options_pass_through():
+    """AsyncCheckpointer options given to the callback reach the core."""
+    cb = FastPersistCallback(collapse_live_tensors=True, huge_pages=False, queue_depth=4)
+    ckpt = cb.checkpointer
+    try:
+        assert ckpt.collapse_live_tensors and not ckpt.huge_pages
+        assert ckpt.options.queue_depth == 4
+    finally:
+        ckpt.close()

@@ -576,3 +576,20 @@ def test_ddp_script_launcher(tmp_path):
     for f in files:
         if f.endswith(".ckpt"):
             fp_core.load(out / f, weights_only=False, verify=True)
+
+
+def test_checkpointer_options_pass_through(tmp_path):
+    """AsyncCheckpointer options given to the plugin reach the core (here: huge pages)."""
+    io = FastPersistIO(policy="overlap", collapse_live_tensors=True, huge_pages=False)
+    w = torch.randn(2048, 2048)  # 16 MiB, written in place under overlap
+    io.save_checkpoint({"w": w}, tmp_path / "a.ckpt")
+    io.wait()
+    ckpt = io._ckpt
+    assert ckpt.collapse_live_tensors and not ckpt.huge_pages
+    ckpt.wait_huge_pages()
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], w)
+    io.teardown()
+    from fp_core.procinfo import thp_mode
+    if thp_mode() not in ("always", "madvise") or ckpt.huge_page_bytes == 0:
+        pytest.skip("no transparent huge pages here, or the kernel declined MADV_COLLAPSE")
+    assert ckpt.huge_page_bytes >= 12 * 1024 * 1024
