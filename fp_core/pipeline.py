@@ -28,15 +28,16 @@ the work stays in the background.
 Huge pages under the bytes written (``huge_pages``): O_DIRECT pins and maps the source
 memory page by page for every request, and on a virtual disk the host's share of that
 work slows the guest's cores while the write runs (measured here with the engine
-rewriting 1 GiB in a loop beside a training step: 0.05-0.08 s of the step per GB written
-from 4 KiB pages, ~0 from 2 MiB pages). So the snapshot arena is advised onto transparent
+rewriting 1 GiB in a loop beside a training step: 0.02-0.09 s of the step per GB written
+from 4 KiB pages, -0.01-0.03 s from 2 MiB pages, lower in every alternated pair;
+benchmarks/disk_interference.py --pages). So the snapshot arena is advised onto transparent
 huge pages before its first use (``huge_pages``, default on: our own memory, no copy).
 With ``collapse_live_tensors``, live CPU tensors that the overlap policy writes in place
 are moved onto them too, once (MADV_COLLAPSE), on a side thread after the first write that
 reads them: a one-time copy, transparent to the contents. It is off by default: that copy
 cost ~3.7 s of a core for 1.1 GB here (+28-40% on the next few steps), and in the whole
-pipeline the steady-state gain (~4% of a 1.7 s step expected) did not stand out of this
-VM's noise. Where the kernel declines, nothing changes.
+pipeline the gain was suggestive but inside this VM's noise (bench --async, two runs
+each: +4.3% and +8.2% against +8.0% and +10.7%). Where the kernel declines, nothing changes.
 
 Errors in the background are never dropped: each is raised once, at the next ``save``,
 ``fence``, ``wait`` or ``close`` (or by ``handle.result()``), chained to the original.

@@ -2318,7 +2318,8 @@ static PyObject *mod_crc32c_combine(PyObject *m, PyObject *args)
  * mapped page by page for every request; on a virtual disk the host's share of that
  * work slows the guest's own cores while the write runs.  Measured on this project's
  * 2-core VM, alternating runs: a write from 4 KiB pages cost a CPU-bound training step
- * 0.05-0.08 s per GB written, from huge pages ~0 (and wrote 2.0-2.15 GB/s vs 1.73).
+ * 0.02-0.09 s per GB written, from huge pages -0.01-0.03 s, lower in every pair (and it
+ * wrote 2.0-3.0 GB/s against 1.7-2.6; benchmarks/disk_interference.py --pages).
  * advise: MADV_HUGEPAGE, so pages faulted in later are huge (a fresh buffer);
  * collapse: also MADV_COLLAPSE (Linux 6.1+), which moves memory already in use onto
  * huge pages now, copying it (slow: ~0.3 GB/s on first use of guest memory here).
