@@ -154,23 +154,27 @@ static uint32_t crc_raw_sw(uint32_t c, const unsigned char *p, size_t n)
     return c;
 }
 
-__attribute__((target("sse4.2")))
-static uint32_t crc_raw_hw(uint32_t c, const unsigned char *p, size_t n)
+/* Whole groups of three lanes of `lane` bytes from *pp, as three independent dependency
+ * chains (they hide the 3-cycle latency of crc32) joined by multiplying with `shift`
+ * (x^(8*lane) mod P).  With `prefetch`, each lane's line HW_PREFETCH bytes ahead is
+ * requested; past a lane's end that touches the next lane's start: harmless (a
+ * prefetch never faults) and those lines are read next anyway.  Inlined with constant
+ * arguments, so each caller gets its own specialised loop. */
+__attribute__((target("sse4.2"), always_inline))
+static inline uint32_t crc_lanes_hw(uint32_t c, const unsigned char **pp, size_t *np, size_t lane,
+                                    uint32_t shift, int prefetch)
 {
-    while (n && ((uintptr_t)p & 7)) {
-        c = _mm_crc32_u8(c, *p++);
-        n--;
-    }
-    /* Three independent dependency chains hide the 3-cycle latency of crc32. */
-    while (n >= 3 * HW_BIG_LANE) {
+    const unsigned char *p = *pp;
+    size_t n = *np;
+    while (n >= 3 * lane) {
         uint64_t c0 = c, c1 = 0, c2 = 0;
-        const unsigned char *p1 = p + HW_BIG_LANE, *p2 = p + 2 * HW_BIG_LANE;
-        for (size_t i = 0; i < HW_BIG_LANE; i += 64) {
-            /* Past a lane's end this touches the next lane's start: harmless (a
-             * prefetch never faults) and those lines are read next anyway. */
-            _mm_prefetch((const char *)p + i + HW_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)p1 + i + HW_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch((const char *)p2 + i + HW_PREFETCH, _MM_HINT_T0);
+        const unsigned char *p1 = p + lane, *p2 = p + 2 * lane;
+        for (size_t i = 0; i < lane; i += 64) {
+            if (prefetch) {
+                _mm_prefetch((const char *)p + i + HW_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)p1 + i + HW_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)p2 + i + HW_PREFETCH, _MM_HINT_T0);
+            }
             for (size_t j = i; j < i + 64; j += 8) {
                 uint64_t w0, w1, w2;
                 memcpy(&w0, p + j, 8);
@@ -181,28 +185,25 @@ static uint32_t crc_raw_hw(uint32_t c, const unsigned char *p, size_t n)
                 c2 = _mm_crc32_u64(c2, w2);
             }
         }
-        c = multmodp(hw_big_lane_shift, (uint32_t)c0) ^ (uint32_t)c1;
-        c = multmodp(hw_big_lane_shift, c) ^ (uint32_t)c2;
-        p += 3 * HW_BIG_LANE;
-        n -= 3 * HW_BIG_LANE;
+        c = multmodp(shift, (uint32_t)c0) ^ (uint32_t)c1;
+        c = multmodp(shift, c) ^ (uint32_t)c2;
+        p += 3 * lane;
+        n -= 3 * lane;
     }
-    while (n >= 3 * HW_LANE) {
-        uint64_t c0 = c, c1 = 0, c2 = 0;
-        const unsigned char *p1 = p + HW_LANE, *p2 = p + 2 * HW_LANE;
-        for (size_t i = 0; i < HW_LANE; i += 8) {
-            uint64_t w0, w1, w2;
-            memcpy(&w0, p + i, 8);
-            memcpy(&w1, p1 + i, 8);
-            memcpy(&w2, p2 + i, 8);
-            c0 = _mm_crc32_u64(c0, w0);
-            c1 = _mm_crc32_u64(c1, w1);
-            c2 = _mm_crc32_u64(c2, w2);
-        }
-        c = multmodp(hw_lane_shift, (uint32_t)c0) ^ (uint32_t)c1;
-        c = multmodp(hw_lane_shift, c) ^ (uint32_t)c2;
-        p += 3 * HW_LANE;
-        n -= 3 * HW_LANE;
+    *pp = p;
+    *np = n;
+    return c;
+}
+
+__attribute__((target("sse4.2")))
+static uint32_t crc_raw_hw(uint32_t c, const unsigned char *p, size_t n)
+{
+    while (n && ((uintptr_t)p & 7)) {
+        c = _mm_crc32_u8(c, *p++);
+        n--;
     }
+    c = crc_lanes_hw(c, &p, &n, HW_BIG_LANE, hw_big_lane_shift, 1);
+    c = crc_lanes_hw(c, &p, &n, HW_LANE, hw_lane_shift, 0);
     uint64_t c64 = c;
     while (n >= 8) {
         uint64_t w;
