@@ -364,7 +364,11 @@ def test_page_aligned_tensors_are_written_without_staging(disk_dir):
     aligned = raw[-raw.ctypes.data % page:]
     a = torch.from_numpy(aligned[: 4 * MiB + 100]).view(torch.uint8)
     a.copy_(torch.randint(0, 256, a.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(5)))
-    b = torch.randn(300_001)  # torch's allocation: page + 64, staged
+    # b sits 64 bytes past a page on purpose: torch's own allocator usually gives page + 64
+    # but may hand back a page-aligned block (CI once did), which would be written directly.
+    b = torch.from_numpy(aligned[4 * MiB + page + 64: 4 * MiB + page + 64 + 4 * 300_001]).view(torch.float32)
+    b.copy_(torch.randn(300_001, generator=torch.Generator().manual_seed(6)))
+    assert b.data_ptr() % page == 64
     stats = roundtrip({"a": a, "b": b}, os.path.join(disk_dir, "aligned.pt"))
     assert 4 * MiB <= stats.extra["zero_copy_bytes"] <= 4 * MiB + 100
 
