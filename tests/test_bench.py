@@ -93,7 +93,15 @@ def test_async_bench_reports_slowdown_beyond_the_disk_floor(tmp_path):
     assert ov and len(floor) == len(ov) == 2
     assert modes["overlap"]["over_floor"] == pytest.approx(sum(a - b for a, b in zip(ov, floor)) / 2)
     assert "over_floor" not in modes["disk"] and "over_floor" not in modes["none"]
-
+    # cost/ckpt: the same per-round difference in seconds per iteration
+    n = 2
+    for m in (modes["disk"], modes["overlap"]):
+        for i, (slow, cost) in enumerate(zip(m["slowdown_per_round"], m["cost_per_round"])):
+            total = sum(m["step_seconds"][i * n:(i + 1) * n])
+            assert cost == pytest.approx((total - total / (1 + slow)) / n)
+        assert m["cost_per_ckpt"] == pytest.approx(sum(m["cost_per_round"]) / 2)
+    assert modes["none"]["cost_per_ckpt"] is None
+    assert modes["disk"]["label"].endswith(("(4 KiB pages), no ckpt", "(2 MiB pages), no ckpt"))
 
 
 def test_overlap_huge_runs_only_beside_the_baselines(tmp_path):
