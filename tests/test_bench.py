@@ -48,22 +48,26 @@ def test_sync_bench_rounds_and_ratios(tmp_path):
 
 @pytest.mark.filterwarnings("ignore")
 def test_async_bench_rounds(tmp_path):
-    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,overlap,snapshot,overlap_bg", "--iters", "2",
+    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,auto,overlap,snapshot,overlap_bg", "--iters", "2",
                   "--warmup", "1", "--rounds", "2", "--width", "64", "--layers", "2", "--batch", "8"],
                  cwd=str(tmp_path))
     assert res["rounds"] == 2
     modes = {m["mode"]: m for m in res["modes"]}
-    assert list(modes) == ["none", "overlap", "snapshot", "overlap_bg"]
+    assert list(modes) == ["none", "auto", "overlap", "snapshot", "overlap_bg"]
     for name, m in modes.items():
-        # 2 rounds x 2 iterations; the baseline runs before and after each of the 3 modes
-        assert len(m["step_seconds"]) == (2 * 4 * 2 if name == "none" else 4)
+        # 2 rounds x 2 iterations; the baseline runs before and after each of the 4 modes
+        assert len(m["step_seconds"]) == (2 * 5 * 2 if name == "none" else 4)
         assert len(m["slowdown_per_round"]) == 2
         assert (m["cpu_per_ckpt"] is None) == (name == "none")
     assert modes["none"]["slowdown"] == 0.0
     assert os.listdir(tmp_path / "a") == []  # every mode's file removed
     ov = modes["overlap"]
     assert ov["slowdown"] == pytest.approx(sum(ov["slowdown_per_round"]) / 2)
-    assert {t["target"] for t in res["targets"]} >= {"overlap: slowdown <= 5%", "snapshot: slowdown <= 5%"}
+    assert {t["target"] for t in res["targets"]} >= {"auto: slowdown <= 5%", "overlap: slowdown <= 5%",
+                                                     "snapshot: slowdown <= 5%"}
+    # each save's policy, the warm-up's included: 1 + 2 saves per round
+    assert modes["overlap"]["fp_stats"]["policies"] == ["overlap"] * 3
+    assert modes["snapshot"]["fp_stats"]["policies"] == ["snapshot"] * 3
 
 
 def test_disk_floor_writes_the_checkpoints_bytes(tmp_path):
