@@ -172,6 +172,12 @@ def _arena_layout(extents: list[StorageExtent]) -> tuple[list[int], int]:
     return positions, pos
 
 
+def _arena_need(extents: list[StorageExtent]) -> tuple[int, bool]:
+    """The arena size ``extents`` need (no more for any of them in the same order) and
+    whether it must be pinned (a CUDA tensor among them)."""
+    return _arena_layout(extents)[1], any(s.source.device.type == "cuda" for s in extents)
+
+
 class _Arena:
     """A reusable host buffer that snapshot copies are carved from (kept across saves)."""
 
@@ -350,16 +356,20 @@ class AsyncCheckpointer:
         small = [s for s in storages if s.length <= self.small_tensor_bytes]
         big = [s for s in storages if s.length > self.small_tensor_bytes]
         policy = self._choose_policy(sum(s.length for s in storages))
-        warm_after = False
-        # sized as _take_arena will ask: every copy of a snapshot, small ones first
-        if policy == "snapshot" and self.policy == "auto" and big and not self._arena_ready(small + big):
-            # auto: this one with overlap, and warm an arena after it unless one may be in
-            # use by a save still in flight (it comes back when that one ends)
-            with self._cv:
-                busy = bool(self._saves)
-            policy = "overlap"
-            warm_after = not (self._warming or self._warm_failed or busy)
-            prepared.stats.extra["policy_reason"] = "snapshot arena not yet warm"
+        warm: tuple[int, bool] | None = None
+        with self._cv:
+            busy = bool(self._saves)  # its arena comes back when it ends
+        # auto with nothing in flight and no warm arena: this save with overlap, and an
+        # arena warmed after it, sized as _take_arena will ask (every copy, small first).
+        # With saves in flight (max_in_flight > 1, when_busy="queue") a snapshot still
+        # takes a fresh arena of its own: under overlap its fence would wait behind them.
+        if policy == "snapshot" and self.policy == "auto" and big and not busy:
+            need, pin = _arena_need(small + big)
+            if not self._arena_ready(need, pin):
+                policy = "overlap"
+                prepared.stats.extra["policy_reason"] = "snapshot arena not yet warm"
+                if not (self._warming or self._warm_failed):
+                    warm = (need, pin)
         arena = self._cpu_work_now(prepared, policy, small, big)
         handle = SaveHandle(prepared.final)
 
@@ -370,9 +380,9 @@ class AsyncCheckpointer:
         with self._cv:
             self._saves.append(handle)
             self._jobs.append((handle, run))
-            if warm_after:
+            if warm is not None:
                 self._warming = True
-                self._jobs.append((Handle("warm snapshot arena"), lambda: self._warm_arena(small + big)))
+                self._jobs.append((Handle("warm snapshot arena"), lambda: self._warm_arena(*warm)))
             self._ensure_worker()
             self._cv.notify_all()
         if self.collapse_live_tensors and policy == "overlap":
@@ -672,38 +682,32 @@ class AsyncCheckpointer:
             self._huge_pool.submit(lambda: None).result()
 
     def _take_arena(self, extents: list[StorageExtent]) -> _Arena:
-        need = _arena_layout(extents)[1]
-        pin = any(s.source.device.type == "cuda" for s in extents)
+        need, pin = _arena_need(extents)
         with self._cv:
             for i, a in enumerate(self._arenas):
                 if a.buf.numel() >= need and a.pin == pin:
                     return self._arenas.pop(i)
         return _Arena(need, pin, huge=self.huge_pages)
 
-    def _arena_ready(self, extents: list[StorageExtent]) -> bool:
-        """A warm arena (every page touched) free now and large enough for ``extents``
-        (or any of them in the same order: the layout never needs more for fewer)."""
-        need = _arena_layout(extents)[1]
-        pin = any(s.source.device.type == "cuda" for s in extents)
+    def _arena_ready(self, need: int, pin: bool) -> bool:
+        """A warm arena (every page touched) of at least ``need`` bytes is free now."""
         with self._cv:
             return any(a.buf.numel() >= need and a.pin == pin and not a.fresh for a in self._arenas)
 
-    def _warm_arena(self, extents: list[StorageExtent]) -> None:
-        """On the writer, after the save that asked for it: allocate the arena ``extents``
-        need and touch every page, so later snapshot copies run at memory speed. A failure
-        (no memory for it) only leaves auto on overlap: logged, not raised."""
+    def _warm_arena(self, need: int, pin: bool) -> None:
+        """On the writer, after the save that asked for it: allocate an arena of ``need``
+        bytes and touch every page, so later snapshot copies run at memory speed. A
+        failure (no memory for it) only leaves auto on overlap: logged, not raised."""
         try:
             if self._draining:
                 return
-            need = _arena_layout(extents)[1]
-            pin = any(s.source.device.type == "cuda" for s in extents)
             arena = _Arena(need, pin, huge=self.huge_pages)
             arena.buf[::4096].zero_()  # one byte a page faults it in (a huge page at once)
             self._give_arena(arena)
         except Exception as e:  # noqa: BLE001 - an optimisation: the saves go on without it
             self._warm_failed = True
             log.warning("fastpersist: could not prepare a %d-byte snapshot arena (%s: %s); auto keeps the overlap "
-                        "policy", _arena_layout(extents)[1], type(e).__name__, e)
+                        "policy", need, type(e).__name__, e)
         finally:
             self._warming = False
 

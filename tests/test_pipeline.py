@@ -695,6 +695,21 @@ def test_wait_skips_an_arena_warm_up_not_yet_begun(disk_dir):
         assert ckpt.save(state, os.path.join(disk_dir, "3.pt")).result().policy == "snapshot"
 
 
+def test_auto_snapshots_a_save_queued_behind_another(disk_dir):
+    """With a save in flight (when_busy="queue"), auto keeps the snapshot for the next
+    one: under overlap its fence would wait until the write queued before it is done."""
+    state = {"a": torch.randn(8 * MiB // 4)}
+    with AsyncCheckpointer(when_busy="queue") as ckpt:
+        gate = threading.Event()
+        ckpt.enqueue(gate.wait, after=[])
+        first = ckpt.save(state, os.path.join(disk_dir, "1.pt"))
+        second = ckpt.save(state, os.path.join(disk_dir, "2.pt"))
+        gate.set()
+        assert first.result().policy == "overlap" and second.result().policy == "snapshot"
+    for name in ("1.pt", "2.pt"):
+        assert_identical(state, fp_core.load(os.path.join(disk_dir, name), verify=True))
+
+
 def test_auto_stays_on_overlap_when_no_arena_can_be_had(disk_dir, monkeypatch, caplog):
     """No memory for an arena: one warning, the saves go on with overlap, no retries."""
     import fp_core.pipeline as pipeline
