@@ -63,9 +63,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _native, remote
+from . import _native, optim_hooks, remote
 from .api import PreparedSave
 from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave
 from .engine import EngineOptions
@@ -724,7 +723,7 @@ class AsyncCheckpointer:
             return
         with self._cv:
             if self._hook is None:
-                self._hook = register_optimizer_step_pre_hook(self._on_optimizer_step)
+                self._hook = optim_hooks.register(self._on_optimizer_step)
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         return fence_before_update(args, kwargs, self.fence)
@@ -736,10 +735,14 @@ class AsyncCheckpointer:
             self._remove_hook()
 
     def _remove_hook(self) -> None:
+        # A fence inside the hook (a step without a closure) only switches it off: torch
+        # is iterating its hook dict (optim_hooks); it leaves at the next safe point.
         with self._cv:
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
+            hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+        else:
+            optim_hooks.flush()
 
     @property
     def hook_installed(self) -> bool:

@@ -118,10 +118,8 @@ from collections import deque
 from dataclasses import fields
 from typing import Any
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-
 import fp_core
-from fp_core import AsyncCheckpointError, CheckpointError
+from fp_core import AsyncCheckpointError, CheckpointError, optim_hooks
 from fp_core import commit as fp_commit
 from fp_core import remote as fp_remote
 from fp_core.pipeline import fence_before_update
@@ -573,8 +571,10 @@ class _FastPersistIOImpl:
             me = ref()
             return None if me is None else me._on_optimizer_step(args, kwargs)
 
-        self._hook = register_optimizer_step_pre_hook(hook)
-        self._hook_finalizer = weakref.finalize(self, self._hook.remove)
+        self._hook = optim_hooks.register(hook)
+        # The finalizer may run in the middle of any optimizer step (the garbage collector
+        # picks the moment): it only switches the hook off, torch's dict is left alone.
+        self._hook_finalizer = weakref.finalize(self, functools.partial(self._hook.remove, defer=True))
 
     def _on_optimizer_step(self, args: Any, kwargs: Any) -> Any:
         self._torn_down = False  # training is running: saves are asynchronous again

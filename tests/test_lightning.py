@@ -403,6 +403,35 @@ def test_fabric_save_load(tmp_path):
 # ---------------------------------------------------------------- errors
 
 
+def test_a_plugin_freed_in_the_middle_of_a_step_does_not_break_it():
+    """The garbage collector may free an old plugin while torch iterates its global hooks
+    (it did in CI: 'OrderedDict mutated during iteration' out of optimizer.step())."""
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
+
+    base = len(_global_optimizer_pre_hooks)
+    io = FastPersistIO()
+    io._install_hook()
+    io.cycle = io  # only the cycle collector frees it
+    del io
+    calls = []
+    collect = register_optimizer_step_pre_hook(lambda o, a, k: calls.append(gc.collect()))
+    last = register_optimizer_step_pre_hook(lambda o, a, k: calls.append("last"))
+    try:
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.SGD([p], lr=0.1)
+        p.grad = torch.ones(3)
+        opt.step()  # the plugin is freed inside `collect`; `last` must still run
+        assert calls[-1] == "last" and calls[0] > 0
+        assert torch.equal(p.detach(), torch.full((3,), 0.9))
+    finally:
+        collect.remove()
+        last.remove()
+    fp_core.optim_hooks.flush()  # a safe point: the freed plugin's hook leaves
+    assert len(_global_optimizer_pre_hooks) == base
+
+
 class ArmWriteFault(Callback):
     """Makes the save at global step ``at`` fail in the background with EIO: drains earlier
     saves, then arms the core's (process-wide, one-shot) native write fault. Lightning runs

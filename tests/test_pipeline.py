@@ -173,6 +173,29 @@ def test_hook_installed_only_while_a_save_is_in_flight(disk_dir, baseline_hooks)
 # ====================================================================== error surfacing
 
 
+def test_fence_inside_the_hook_leaves_torchs_hook_dict_alone(disk_dir, baseline_hooks):
+    """A step without a closure fences inside the hook; removing the hook there would
+    change the dict torch is iterating and fail the step of any hook registered after it."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    model, opt = make_state()
+    after = []
+    with AsyncCheckpointer(policy="overlap") as ckpt:
+        ckpt.save(big_obj(8), os.path.join(disk_dir, "a.pt"))
+        later = register_optimizer_step_pre_hook(lambda o, a, k: after.append(1))  # after ours
+        try:
+            train_step(model, opt, 1)  # fences inside our hook, then torch calls `later`
+            assert after == [1] and not ckpt.hook_installed
+            assert len(_global_optimizer_pre_hooks) == baseline_hooks + 2  # switched off, not yet out
+            train_step(model, opt, 2)  # the switched-off hook does nothing
+            assert after == [1, 1]
+            ckpt.save(big_obj(8), os.path.join(disk_dir, "b.pt"))  # a safe point: the old one leaves
+            assert len(_global_optimizer_pre_hooks) == baseline_hooks + 2  # later + the new one
+        finally:
+            later.remove()
+    assert len(_global_optimizer_pre_hooks) == baseline_hooks
+
+
 def _fail_one_save(ckpt, disk_dir, fault, name="bad.pt"):
     path = os.path.join(disk_dir, name)
     fault("write", errno=errno.EIO)
