@@ -57,11 +57,19 @@ def big_obj(mib: int = 64, value: float = 1.0) -> dict:
     return {"big": torch.full((mib * MiB // 4,), value), "meta": {"v": value}}
 
 
+def _settled_hooks() -> int:
+    """torch's global pre-hook count once hooks freed or switched off earlier are out
+    (their removal waits for a safe point: fp_core.optim_hooks)."""
+    gc.collect()
+    fp_core.optim_hooks.flush()
+    return len(_global_optimizer_pre_hooks)
+
+
 @pytest.fixture
 def baseline_hooks():
-    n = len(_global_optimizer_pre_hooks)
+    n = _settled_hooks()
     yield n
-    assert len(_global_optimizer_pre_hooks) == n, "an optimizer hook was left installed"
+    assert _settled_hooks() == n, "an optimizer hook was left installed"
 
 
 # ====================================================================== consistency
