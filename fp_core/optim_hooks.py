@@ -29,16 +29,17 @@ class OptimizerHook:
     """One registered global pre-hook; :meth:`remove` is safe from anywhere."""
 
     def __init__(self, hook: Hook) -> None:
-        self.hook = hook
+        self.hook: Hook | None = hook
         self.active = True
         self._handle = register_optimizer_step_pre_hook(self._call)
 
     def _call(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
-        if not self.active:
+        hook = self.hook
+        if not self.active or hook is None:
             return None
         _depth.n = getattr(_depth, "n", 0) + 1
         try:
-            return self.hook(optimizer, args, kwargs)
+            return hook(optimizer, args, kwargs)
         finally:
             _depth.n -= 1
 
@@ -46,6 +47,7 @@ class OptimizerHook:
         """Switch the hook off now; take it out of torch's dict now unless that may be
         mid-iteration (inside one of our hooks, or ``defer``: from a finalizer)."""
         self.active = False
+        self.hook = None  # a switched-off hook must not keep its owner (and its arenas) alive
         if defer or in_hook():
             _deferred.append(self._handle)
             return
