@@ -117,8 +117,9 @@ def fence_before_update(args: Any, kwargs: Any, fence: Callable[[], None]) -> An
 class Handle:
     """The future of one background job (a save, or a function queued with ``enqueue``)."""
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, internal: bool = False) -> None:
         self.path = path
+        self.internal = internal  # our own housekeeping: not a pending write for pending()
         self._done = threading.Event()
         self._staged = threading.Event()  # no live memory is read any more
         self._result: Any = None
@@ -311,6 +312,7 @@ class AsyncCheckpointer:
         self._thread: threading.Thread | None = None
         self._hook: Any = None
         self._running = False
+        self._current: Handle | None = None  # the job the writer runs now
         self._closed = False
         _live.add(self)
 
@@ -381,7 +383,7 @@ class AsyncCheckpointer:
             self._jobs.append((handle, run))
             if warm is not None:
                 self._warming = True
-                self._jobs.append((Handle("warm snapshot arena"), lambda: self._warm_arena(*warm)))
+                self._jobs.append((Handle("warm snapshot arena", internal=True), lambda: self._warm_arena(*warm)))
             self._ensure_worker()
             self._cv.notify_all()
         if self.collapse_live_tensors and policy == "overlap":
@@ -450,7 +452,10 @@ class AsyncCheckpointer:
     def pending(self, path: str | os.PathLike | None = None) -> bool:
         with self._cv:
             if path is None:
-                return bool(self._jobs or self._running)
+                # a snapshot arena's warm-up is ours, not a pending write (Lightning reads
+                # this to decide whether a checkpoint removal must queue behind a save)
+                return any(not h.internal for h, _ in self._jobs) or (
+                    self._running and self._current is not None and not self._current.internal)
             p = _path_key(path)
             return any(h.path == p for h in self._saves)
 
@@ -550,7 +555,7 @@ class AsyncCheckpointer:
                 if not self._jobs:
                     return
                 handle, run = self._jobs.popleft()
-                self._running = True
+                self._running, self._current = True, handle
             result, error = None, None
             try:
                 result = run()
@@ -564,7 +569,7 @@ class AsyncCheckpointer:
                 if error is not None and not handle._reported:
                     self._finished.append(handle)
                 handle._finish(result, error)
-                self._running = False
+                self._running, self._current = False, None
                 self._cv.notify_all()
 
     def _cpu_work_now(self, prepared: Any, policy: str, small: list[StorageExtent],

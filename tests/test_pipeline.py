@@ -690,6 +690,7 @@ def test_auto_writes_with_overlap_until_a_snapshot_arena_is_warm(disk_dir):
     with AsyncCheckpointer() as ckpt:
         first = ckpt.save(state, os.path.join(disk_dir, "1.pt")).result()
         assert first.policy == "overlap" and first.extra["policy_reason"] == "snapshot arena not yet warm"
+        assert not ckpt.pending()  # the warm-up (queued, running or done) is no pending write
         _writer_idle(ckpt)
         second = ckpt.save(state, os.path.join(disk_dir, "2.pt")).result()
         third = ckpt.save(state, os.path.join(disk_dir, "3.pt")).result()
