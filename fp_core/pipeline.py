@@ -306,13 +306,11 @@ class AsyncCheckpointer:
         self._saves: list[SaveHandle] = []  # saves not yet done, in order
         self._finished: list[Handle] = []  # done with an error nobody has seen yet
         self._arenas: list[_Arena] = []
-        self._warming = False  # an arena is being warmed on the writer for auto
         self._warm_failed = False  # no memory for one: auto stays on overlap
         self._draining = False  # wait() is draining the queue: a warm-up not begun is skipped
         self._thread: threading.Thread | None = None
         self._hook: Any = None
-        self._running = False
-        self._current: Handle | None = None  # the job the writer runs now
+        self._current: Handle | None = None  # the job the writer runs now, if any
         self._closed = False
         _live.add(self)
 
@@ -360,6 +358,7 @@ class AsyncCheckpointer:
         warm: tuple[int, bool] | None = None
         with self._cv:
             busy = bool(self._saves)  # its arena comes back when it ends
+            warming = self._jobs_where(internal=True)  # an arena's warm-up queued or running
         # auto with nothing in flight and no warm arena: this save with overlap, and an
         # arena warmed after it, sized as _take_arena will ask (every copy, small first).
         # With saves in flight (max_in_flight > 1, when_busy="queue") a snapshot still
@@ -369,7 +368,7 @@ class AsyncCheckpointer:
             if not self._arena_ready(need, pin):
                 policy = "overlap"
                 prepared.stats.extra["policy_reason"] = "snapshot arena not yet warm"
-                if not (self._warming or self._warm_failed):
+                if not (self._warm_failed or warming):
                     warm = (need, pin)
         arena = self._cpu_work_now(prepared, policy, small, big)
         handle = SaveHandle(prepared.final)
@@ -382,7 +381,6 @@ class AsyncCheckpointer:
             self._saves.append(handle)
             self._jobs.append((handle, run))
             if warm is not None:
-                self._warming = True
                 self._jobs.append((Handle("warm snapshot arena", internal=True), lambda: self._warm_arena(*warm)))
             self._ensure_worker()
             self._cv.notify_all()
@@ -442,7 +440,7 @@ class AsyncCheckpointer:
         self._draining = True  # a snapshot arena's warm-up not yet begun is skipped
         try:
             with self._cv:
-                while self._jobs or self._running:
+                while self._jobs or self._current is not None:
                     self._cv.wait()
         finally:
             self._draining = False
@@ -454,8 +452,7 @@ class AsyncCheckpointer:
             if path is None:
                 # a snapshot arena's warm-up is ours, not a pending write (Lightning reads
                 # this to decide whether a checkpoint removal must queue behind a save)
-                return any(not h.internal for h, _ in self._jobs) or (
-                    self._running and self._current is not None and not self._current.internal)
+                return self._jobs_where(internal=False)
             p = _path_key(path)
             return any(h.path == p for h in self._saves)
 
@@ -504,6 +501,12 @@ class AsyncCheckpointer:
             log.error("fastpersist: pending checkpoint failed while handling another error: %s", e)
 
     # ------------------------------------------------------------------ internals
+    def _jobs_where(self, *, internal: bool) -> bool:
+        """Is a job of that kind (our housekeeping, or a write / the caller's) queued or
+        running? Call with ``_cv`` held."""
+        return any(h.internal == internal for h, _ in self._jobs) or (
+            self._current is not None and self._current.internal == internal)
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("AsyncCheckpointer is closed")
@@ -555,7 +558,7 @@ class AsyncCheckpointer:
                 if not self._jobs:
                     return
                 handle, run = self._jobs.popleft()
-                self._running, self._current = True, handle
+                self._current = handle
             result, error = None, None
             try:
                 result = run()
@@ -569,7 +572,7 @@ class AsyncCheckpointer:
                 if error is not None and not handle._reported:
                     self._finished.append(handle)
                 handle._finish(result, error)
-                self._running, self._current = False, None
+                self._current = None
                 self._cv.notify_all()
 
     def _cpu_work_now(self, prepared: Any, policy: str, small: list[StorageExtent],
@@ -712,8 +715,6 @@ class AsyncCheckpointer:
             self._warm_failed = True
             log.warning("fastpersist: could not prepare a %d-byte snapshot arena (%s: %s); auto keeps the overlap "
                         "policy", need, type(e).__name__, e)
-        finally:
-            self._warming = False
 
     def _give_arena(self, arena: _Arena) -> None:
         arena.slots, arena.fresh = {}, False
