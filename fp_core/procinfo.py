@@ -32,6 +32,15 @@ def huge_page_bytes(addr: int, length: int) -> int:
     """Bytes of [addr, addr+length) backed by transparent huge pages, from
     /proc/self/smaps (each mapping's AnonHugePages, prorated to the part of it in the
     range: exact when the range is whole mappings, as advised ranges become)."""
+    return _smaps_bytes(addr, length, "AnonHugePages:")
+
+
+def resident_bytes(addr: int, length: int) -> int:
+    """Bytes of [addr, addr+length) in memory (each mapping's Rss, prorated the same way)."""
+    return _smaps_bytes(addr, length, "Rss:")
+
+
+def _smaps_bytes(addr: int, length: int, field: str) -> int:
     end, total = addr + length, 0
     lo = hi = 0
     try:
@@ -41,7 +50,7 @@ def huge_page_bytes(addr: int, length: int) -> int:
                 if "-" in head and not head.endswith(":"):
                     a, b = head.split("-")
                     lo, hi = int(a, 16), int(b, 16)
-                elif head == "AnonHugePages:" and lo < end and hi > addr:
+                elif head == field and lo < end and hi > addr:
                     kb = int(line.split()[1])
                     total += kb * 1024 * (min(hi, end) - max(lo, addr)) // (hi - lo)
     except OSError:

@@ -591,3 +591,40 @@ def test_two_threads_share_pool(tmp_path):
     for t in ts:
         t.join()
     assert not errs, errs
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _anonymous_map(n: int):
+    """A private anonymous mapping of n bytes (nothing touched yet) and its address."""
+    import ctypes
+    import mmap
+
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))  # the ctypes view is gone again here
+    return m, addr
+
+
+def test_populate_faults_every_page_in_and_keeps_the_bytes():
+    from fp_core.procinfo import resident_bytes
+
+    n = 8 * MiB
+    m, addr = _anonymous_map(n)
+    try:
+        assert resident_bytes(addr, n) == 0
+        m[3 * MiB + 17: 3 * MiB + 21] = b"keep"
+        assert _native.populate(addr + 5, n - 5) == n - 5  # unaligned ends: their pages too
+        assert resident_bytes(addr, n) == n
+        assert m[3 * MiB + 17: 3 * MiB + 21] == b"keep" and m[:4] == bytes(4) and m[-4:] == bytes(4)
+        assert _native.populate(addr, 0) == 0
+    finally:
+        m.close()
+
+
+def test_populate_of_unmapped_memory_raises_instead_of_crashing():
+    m, addr = _anonymous_map(4 * MiB)
+    m.close()  # the range is unmapped now: a touch loop there would segfault
+    with pytest.raises(OSError) as e:
+        _native.populate(addr, 4 * MiB)
+    assert e.value.errno in (errno.ENOMEM, errno.EFAULT)

@@ -686,12 +686,15 @@ def _writer_idle(ckpt: AsyncCheckpointer) -> None:
 def test_auto_writes_with_overlap_until_a_snapshot_arena_is_warm(disk_dir):
     """auto's first save does not wait for a fresh arena's pages: it writes with overlap
     and the writer warms an arena after it; the next save snapshots into warm pages."""
+    from fp_core.procinfo import resident_bytes
     state = {"a": torch.randn(8 * MiB // 4), "b": torch.randn(4 * MiB // 4), "small": torch.arange(10)}
     with AsyncCheckpointer() as ckpt:
         first = ckpt.save(state, os.path.join(disk_dir, "1.pt")).result()
         assert first.policy == "overlap" and first.extra["policy_reason"] == "snapshot arena not yet warm"
         assert not ckpt.pending()  # the warm-up (queued, running or done) is no pending write
         _writer_idle(ckpt)
+        (arena,) = ckpt._arenas
+        assert resident_bytes(arena.buf.data_ptr(), arena.buf.numel()) >= 0.95 * arena.buf.numel()  # pages in (prorated)
         second = ckpt.save(state, os.path.join(disk_dir, "2.pt")).result()
         third = ckpt.save(state, os.path.join(disk_dir, "3.pt")).result()
         bigger = dict(state, c=torch.randn(16 * MiB // 4))  # outgrows the arena: overlap again
