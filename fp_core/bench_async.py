@@ -33,6 +33,12 @@ before and right after it (every mode runs between two), median over ``--rounds`
 CPU s/ckpt = the process's CPU time per iteration (user + system) minus the no-checkpoint
 run's: what each checkpoint costs in CPU, which a CPU-bound training loop pays in steps.
 
+Warm-up +s = how much longer the ``--warmup`` iterations (and their saves) took than the
+no-checkpoint run's: one-time costs kept out of the measured steps, such as ``snapshot``'s
+first fill of a fresh arena or the arena ``auto`` warms after its first save. Give enough
+warm-up iterations for them to end (3 for ``auto`` with 2 s steps here), or they land on
+the first measured steps.
+
 Blocked time per checkpoint = time the training thread spends in the save call plus any
 wait it causes later (the fence before the next step, a wait for the previous save).
 """
@@ -347,6 +353,7 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
     else:
         mode = FastPersistAsync(path, mode_name, engine_options)
     steps = []
+    warm = []  # the warm-up iterations' steps: where one-time costs (a fresh arena) land
     blocked = []
     cpu0 = 0.0
     for i in range(warmup + iters):
@@ -360,13 +367,15 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         if i >= warmup:
             steps.append(dt)
             blocked.append(mode.blocked - b0)
+        else:
+            warm.append(dt)
     cpu_per_iter = (cpu_seconds() - cpu0) / max(1, iters)
     t0 = time.perf_counter()
     mode.drain()
     drain = time.perf_counter() - t0
     out = {"mode": mode_name, "label": getattr(mode, "label", LABELS[mode_name]), "step_seconds": steps,
            "median_step": statistics.median(steps), "mean_step": statistics.mean(steps),
-           "total_seconds": sum(steps), "blocked_per_ckpt": statistics.mean(blocked) if mode_name != "none" else 0.0,
+           "total_seconds": sum(steps), "warmup_seconds": sum(warm), "blocked_per_ckpt": statistics.mean(blocked) if mode_name != "none" else 0.0,
            "drain_seconds": drain, "cpu_per_iter": cpu_per_iter}
     if isinstance(mode, FastPersistAsync) and mode.stats:
         st = mode.stats[-1]
@@ -477,7 +486,7 @@ def _mean_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Baseline runs as one: their steps pooled, totals and CPU averaged."""
     out = dict(runs[0])
     out["step_seconds"] = [x for r in runs for x in r["step_seconds"]]
-    for k in ("total_seconds", "cpu_per_iter"):
+    for k in ("total_seconds", "warmup_seconds", "cpu_per_iter"):
         out[k] = statistics.mean(r[k] for r in runs)
     out["median_step"] = statistics.median(out["step_seconds"])
     out["mean_step"] = statistics.mean(out["step_seconds"])
@@ -502,6 +511,11 @@ def merge_rounds(runs: list[dict[str, Any]], base: list[dict[str, Any]] | None,
     out["cost_per_round"] = [(r["total_seconds"] - b["total_seconds"]) / len(r["step_seconds"])
                              for r, b in zip(runs, base)] if base else []
     out["cost_per_ckpt"] = statistics.median(out["cost_per_round"]) if base and out["mode"] != "none" else None
+    # What the warm-up iterations took beyond the baseline's: one-time costs (a first save
+    # into fresh memory, the arena auto warms after it) kept out of the measured steps.
+    out["first_cost_per_round"] = [r["warmup_seconds"] - b["warmup_seconds"] for r, b in zip(runs, base)] \
+        if base and out["mode"] != "none" else []
+    out["first_cost"] = statistics.median(out["first_cost_per_round"]) if out["first_cost_per_round"] else None
     out["cpu_per_ckpt"] = statistics.median(r["cpu_per_iter"] - b["cpu_per_iter"] for r, b in zip(runs, base)) \
         if base and out["mode"] != "none" else None
     if sync and all(b["blocked_per_ckpt"] for b in sync) and out["mode"] not in ("none", "disk"):
@@ -532,7 +546,7 @@ def format_async(res: dict[str, Any]) -> str:
              f"compute per iteration (no checkpoint): {res['compute_seconds']:.2f} s; write alone: fp_core.save "
              f"{w['fastpersist_save']:.2f} s, torch.save+fsync {w['torch_save']:.2f} s", ""]
     heads = ["", "step s (median)", "slowdown", "cost/ckpt s", "blocked/ckpt s", "vs torch.save", "CPU s/ckpt",
-             "drain at end s"]
+             "warm-up +s", "drain at end s"]
     table = []
     for r in res["modes"]:
         table.append([r["label"], f"{r['median_step']:.3f}",
@@ -542,6 +556,7 @@ def format_async(res: dict[str, Any]) -> str:
                       "-" if r["blocked_vs_torch_save"] is None or r["mode"] == "none"
                       else f"{100 * r['blocked_vs_torch_save']:.1f}%",
                       "-" if r.get("cpu_per_ckpt") is None else f"{r['cpu_per_ckpt']:.2f}",
+                      "-" if r.get("first_cost") is None else f"{r['first_cost']:+.2f}",
                       f"{r['drain_seconds']:.2f}"])
     widths = [max(len(str(x[i])) for x in [heads] + table) for i in range(len(heads))]
     for t in [heads] + table:

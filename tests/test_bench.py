@@ -59,6 +59,7 @@ def test_async_bench_rounds(tmp_path):
         assert len(m["step_seconds"]) == (2 * 5 * 2 if name == "none" else 4)
         assert len(m["slowdown_per_round"]) == 2
         assert (m["cpu_per_ckpt"] is None) == (name == "none")
+        assert (m["first_cost"] is None) == (name == "none") and m["warmup_seconds"] > 0
     assert modes["none"]["slowdown"] == 0.0
     assert os.listdir(tmp_path / "a") == []  # every mode's file removed
     ov = modes["overlap"]
@@ -68,6 +69,24 @@ def test_async_bench_rounds(tmp_path):
     # each save's policy, the warm-up's included: 1 + 2 saves per round
     assert modes["overlap"]["fp_stats"]["policies"] == ["overlap"] * 3
     assert modes["snapshot"]["fp_stats"]["policies"] == ["snapshot"] * 3
+
+
+def test_merge_rounds_keeps_one_time_costs_out_of_the_measured_steps():
+    """The warm-up iterations' extra time is its own figure ("warm-up +s"), per round
+    against the same round's baseline, and never enters slowdown or cost/ckpt."""
+    from fp_core.bench_async import merge_rounds
+
+    def run(mode, steps, warm):
+        return {"mode": mode, "label": mode, "step_seconds": steps, "total_seconds": sum(steps),
+                "warmup_seconds": warm, "blocked_per_ckpt": 0.1, "drain_seconds": 0.0, "cpu_per_iter": 1.0}
+
+    base = [run("none", [2.0, 2.0], 4.0), run("none", [2.0, 2.0], 4.2)]
+    auto = merge_rounds([run("auto", [2.1, 2.1], 6.0), run("auto", [2.0, 2.2], 5.2)], base, None)
+    assert auto["first_cost_per_round"] == pytest.approx([2.0, 1.0])
+    assert auto["first_cost"] == pytest.approx(1.5)
+    assert auto["cost_per_round"] == pytest.approx([0.1, 0.1]) and auto["slowdown"] == pytest.approx(0.05)
+    none = merge_rounds(base, base, None)
+    assert none["first_cost"] is None and none["first_cost_per_round"] == []
 
 
 def test_disk_floor_writes_the_checkpoints_bytes(tmp_path):
