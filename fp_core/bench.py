@@ -634,7 +634,7 @@ def format_targets(targets: list[dict[str, Any]], unit: str = "") -> list[str]:
     if not targets:
         return []
     return ["", "Targets"] + [f"  [{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']}{unit}"
-                              for t in targets]
+                              + (f" ({t['note']})" if t.get("note") else "") for t in targets]
 
 
 def plot(res: dict[str, Any], path: str) -> None:

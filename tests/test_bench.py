@@ -89,6 +89,31 @@ def test_merge_rounds_keeps_one_time_costs_out_of_the_measured_steps():
     assert none["first_cost"] is None and none["first_cost_per_round"] == []
 
 
+def test_median_ci_is_the_order_statistics_interval():
+    from fp_core.bench_async import median_ci
+
+    assert median_ci([0.01] * 5) is None  # 5 rounds cannot give 95%
+    xs = [0.07, 0.01, 0.05, 0.03, 0.02, 0.08, 0.04, 0.06]
+    assert median_ci(xs) == (0.01, 0.08, pytest.approx(1 - 2 / 256))  # n = 8: min..max, 99.2%
+    lo, hi, cov = median_ci([i / 100 for i in range(12)])
+    assert (lo, hi) == (0.02, 0.09) and cov == pytest.approx(0.9614, abs=1e-4)  # n = 12: x(3)..x(10)
+
+
+def test_slowdown_target_says_whether_the_run_settles_it():
+    from fp_core.bench_async import async_targets, median_ci
+
+    def mode(name, per_round):
+        return {"mode": name, "slowdown": sorted(per_round)[len(per_round) // 2], "slowdown_ci": median_ci(per_round),
+                "blocked_vs_torch_save": None}
+
+    res = {"modes": [mode("overlap", [0.01, 0.02, 0.03, 0.04, 0.02, 0.03]),
+                     mode("snapshot", [0.01, 0.09, 0.03, 0.04, 0.06, 0.03]),
+                     mode("auto", [0.06, 0.07, 0.08, 0.06, 0.09, 0.07])]}
+    notes = {t["target"].split(":")[0]: t["note"] for t in async_targets(res)}
+    assert notes["overlap"].endswith(": met") and notes["auto"].endswith(": missed")
+    assert notes["snapshot"] == "median's 97% CI +1.0..+9.0%: not settled by this run"
+
+
 def test_disk_floor_writes_the_checkpoints_bytes(tmp_path):
     from fp_core.bench_async import DiskOnly, Trainer, _tensors
 
