@@ -709,8 +709,8 @@ class AsyncCheckpointer:
             if self._draining:
                 return
             arena = _Arena(need, pin, huge=self.huge_pages)
-            # On this thread alone: a strided zero_() ran on torch's intra-op threads too,
-            # taking every core from training while fresh memory faulted in (native doc).
+            # On this thread alone (a strided zero_() also ran on torch's intra-op threads:
+            # no faster where fresh memory is slow to fault in, more CPU; native doc).
             _native.populate(arena.buf.data_ptr(), need)
             self._give_arena(arena)
         except Exception as e:  # noqa: BLE001 - an optimisation: the saves go on without it

@@ -2357,15 +2357,32 @@ static PyObject *mod_advise_huge(PyObject *m, PyObject *args, PyObject *kw)
  * memory is needed (a snapshot arena warmed on the writer while training runs).  A page's
  * first touch is slow where the memory is fresh to the machine: on this project's VM the
  * host reclaims free 2 MiB blocks (free page reporting) and backs them again on the next
- * fault, ~1.8 s of CPU per GB against ~0.15 s for memory it still backs.  Doing that on one
- * thread leaves the other cores to training (torch's strided zero_() used two and cost
- * half as much CPU again).  MADV_POPULATE_WRITE (Linux 5.14) faults the range in one call
+ * fault, ~2.3 s per GB against ~0.13 s for memory it still backs, and the whole guest
+ * slows meanwhile (benchmarks/fresh_memory.py: training lost about the warm-up's time at
+ * any thread count or nice level).  So one thread: the same wall time as torch's strided
+ * zero_() on its intra-op threads, less CPU.  MADV_POPULATE_WRITE (Linux 5.14) faults the range in one call
  * without changing the contents; older kernels get a touch per 4 KiB page (a read-modify-
  * write of one byte, which keeps the contents too, and is not racing anyone: the caller
- * owns the memory).  Returns the bytes covered; no memory for them raises OSError. */
+ * owns the memory).  Returns the bytes covered; memory it cannot fault in for writing (none
+ * left, not mapped, read-only) raises OSError. */
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
+/* Whether this kernel knows MADV_POPULATE_WRITE, asked once on a page of our own: its
+ * EINVAL means both "unknown advice" and "memory not writable", and only the first may
+ * fall back to touching (the second would fault). */
+static int populate_supported(void)
+{
+    static int known = -1;
+    if (known < 0) {
+        void *pg = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        known = pg != MAP_FAILED && madvise(pg, 4096, MADV_POPULATE_WRITE) == 0;
+        if (pg != MAP_FAILED)
+            munmap(pg, 4096);
+    }
+    return known;
+}
+
 static PyObject *mod_populate(PyObject *m, PyObject *args)
 {
     unsigned long long addr, n;
@@ -2376,18 +2393,17 @@ static PyObject *mod_populate(PyObject *m, PyObject *args)
     uintptr_t hi = ((uintptr_t)addr + (uintptr_t)n + page - 1) & ~(page - 1);
     if (n == 0)
         return PyLong_FromLong(0);
-    int rc, err = 0;
+    int err = 0;
     Py_BEGIN_ALLOW_THREADS
-    rc = madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE);
-    err = rc ? errno : 0;
-    if (err == EINVAL) {  /* a kernel without it: touch instead */
+    if (populate_supported()) {
+        err = madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE) ? errno : 0;
+    } else {  /* a kernel without it: touch instead */
         volatile unsigned char *p = (volatile unsigned char *)(uintptr_t)addr;
         for (unsigned long long off = 0; off < n; off += page - ((uintptr_t)(p + off) & (page - 1)))
             p[off] = p[off];
-        err = 0;
     }
     Py_END_ALLOW_THREADS
-    if (err) {  /* ENOMEM, EFAULT: say so rather than touch into the OOM killer */
+    if (err) {  /* ENOMEM, EFAULT, EINVAL (not writable): say so, never touch into a fault */
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
