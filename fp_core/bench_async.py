@@ -509,21 +509,22 @@ def merge_rounds(runs: list[dict[str, Any]], base: list[dict[str, Any]] | None,
                cpu_per_iter=statistics.median(r["cpu_per_iter"] for r in runs))
     out["slowdown_per_round"] = [r["total_seconds"] / b["total_seconds"] - 1 for r, b in zip(runs, base)] if base else []
     out["slowdown"] = statistics.median(out["slowdown_per_round"]) if base else None
-    out["slowdown_ci"] = median_ci(out["slowdown_per_round"]) if base and out["mode"] != "none" else None
+    costed = bool(base) and out["mode"] != "none"  # the baseline is not measured against itself
+    out["slowdown_ci"] = median_ci(out["slowdown_per_round"]) if costed else None
     # The same difference in seconds per iteration. Not a fixed price per checkpoint on this
     # VM: the floor's was 0.12 s at 2.1 s steps and 0.19 s at 3.6 s (a guess: the host's
     # share of the disk's work outlasts the write), so it cannot say from which step length
     # a slowdown target would hold.
     out["cost_per_round"] = [(r["total_seconds"] - b["total_seconds"]) / len(r["step_seconds"])
                              for r, b in zip(runs, base)] if base else []
-    out["cost_per_ckpt"] = statistics.median(out["cost_per_round"]) if base and out["mode"] != "none" else None
+    out["cost_per_ckpt"] = statistics.median(out["cost_per_round"]) if costed else None
     # What the warm-up iterations took beyond the baseline's: one-time costs (a first save
     # into fresh memory, the arena auto warms after it) kept out of the measured steps.
     out["first_cost_per_round"] = [r["warmup_seconds"] - b["warmup_seconds"] for r, b in zip(runs, base)] \
-        if base and out["mode"] != "none" else []
+        if costed else []
     out["first_cost"] = statistics.median(out["first_cost_per_round"]) if out["first_cost_per_round"] else None
     out["cpu_per_ckpt"] = statistics.median(r["cpu_per_iter"] - b["cpu_per_iter"] for r, b in zip(runs, base)) \
-        if base and out["mode"] != "none" else None
+        if costed else None
     if sync and all(b["blocked_per_ckpt"] for b in sync) and out["mode"] not in ("none", "disk"):
         out["blocked_vs_torch_save"] = statistics.median(
             r["blocked_per_ckpt"] / b["blocked_per_ckpt"] for r, b in zip(runs, sync))

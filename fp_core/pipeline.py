@@ -688,18 +688,24 @@ class AsyncCheckpointer:
         if self._huge_pool is not None:
             self._huge_pool.submit(lambda: None).result()
 
+    def _free_arena(self, need: int, pin: bool, warm: bool = False) -> int | None:
+        """Index of a free arena of at least ``need`` bytes (``warm``: every page touched).
+        Call with ``_cv`` held."""
+        return next((i for i, a in enumerate(self._arenas)
+                     if a.buf.numel() >= need and a.pin == pin and not (warm and a.fresh)), None)
+
     def _take_arena(self, extents: list[StorageExtent]) -> _Arena:
         need, pin = _arena_need(extents)
         with self._cv:
-            for i, a in enumerate(self._arenas):
-                if a.buf.numel() >= need and a.pin == pin:
-                    return self._arenas.pop(i)
+            i = self._free_arena(need, pin)
+            if i is not None:
+                return self._arenas.pop(i)
         return _Arena(need, pin, huge=self.huge_pages)
 
     def _arena_ready(self, need: int, pin: bool) -> bool:
         """A warm arena (every page touched) of at least ``need`` bytes is free now."""
         with self._cv:
-            return any(a.buf.numel() >= need and a.pin == pin and not a.fresh for a in self._arenas)
+            return self._free_arena(need, pin, warm=True) is not None
 
     def _warm_arena(self, need: int, pin: bool) -> None:
         """On the writer, after the save that asked for it: allocate an arena of ``need``
