@@ -37,9 +37,11 @@ class PreparedSave:
     """A checkpoint whose layout is fixed and whose temporary file is open."""
 
     def __init__(self, obj: Any, path: str | os.PathLike, options: EngineOptions, format: str = "torch",
-                 metadata: dict[str, str] | None = None, congruent: bool = False) -> None:
+                 metadata: dict[str, str] | None = None, congruent: bool = False,
+                 mode: int | None = None) -> None:
         """``congruent``: lay CPU tensors out in the file congruent to their addresses, so
-        they can be written without staging (see :func:`fp_core.plan.build`)."""
+        they can be written without staging (see :func:`fp_core.plan.build`). ``mode``:
+        the file's permission bits (default: 0666 less the umask, as ``torch.save``)."""
         t0 = time.perf_counter()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
@@ -53,6 +55,8 @@ class PreparedSave:
         except OSError as e:
             raise rename_os_error(e, self.final, self.tmp) from e
         try:
+            if mode is not None:
+                os.fchmod(self.engine.fileno(), mode)
             alignment = max(MIN_ALIGNMENT, self.engine.alignment)
             try:
                 if format == "torch":

@@ -55,12 +55,15 @@ here (forwarded to ``fsspec.core.url_to_fs``), or configure fsspec itself:
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -69,6 +72,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import commit
+from .errors import CorruptCheckpointError
 
 log = logging.getLogger("fastpersist")
 
@@ -84,7 +88,7 @@ OBJECT_STORE_PROTOCOLS = frozenset({
     "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "cos", "tos", "obs",
 })
 
-_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(://|::)")
 _lock = threading.Lock()
 _config: dict[str, Any] = {"staging_dir": None, "budget": None}
 _cleaned: set[str] = set()
@@ -105,16 +109,28 @@ def _text(path: Any) -> str:
 def split(path: Any) -> tuple[bool, str]:
     """``(True, url)`` for a remote fsspec URL; ``(False, local_path)`` otherwise.
 
-    ``file://`` and ``local://`` URLs are local: the prefix is stripped so they keep the
-    native fast path. Chained URLs (``simplecache::s3://...``) are remote.
+    A path is remote only when it *starts* with ``proto://`` or with ``proto::`` (a chained
+    URL, ``simplecache::s3://...``) where ``proto`` is a protocol fsspec knows. Anything
+    else is a local path, however many ``::`` it holds (``/d/exp::v2/ckpt.pt`` is a file in
+    the directory ``/d/exp::v2``). ``file://`` and ``local://`` URLs are local: the prefix
+    is stripped so they keep the native fast path.
     """
     p = _text(path)
     m = _URL_RE.match(p)
     if m is None:
-        return ("::" in p and not os.path.exists(p)), p
-    if m.group(1).lower() in ("file", "local"):
+        return False, p
+    proto = m.group(1).lower()
+    if m.group(2) == "::":
+        return (proto in _chain_protocols()), p
+    if proto in ("file", "local"):
         return False, p[m.end():] if p[m.end():].startswith("/") else "/" + p[m.end():]
     return True, p
+
+
+def _chain_protocols() -> frozenset[str]:
+    from fsspec.registry import known_implementations, registry
+
+    return frozenset(known_implementations) | frozenset(registry)
 
 
 def is_remote(path: Any) -> bool:
@@ -172,13 +188,60 @@ def configure(staging_dir: str | os.PathLike | None = None, staging_budget_bytes
         _config["budget"] = staging_budget_bytes
 
 
+def private_dir(path: str) -> str:
+    """Create ``path`` (mode 0700) or check an existing one; return it.
+
+    A staging area holds checkpoints on their way to or from a store, so it must be this
+    user's alone: another local user who made it first, or who could write into it, could
+    read every checkpoint, swap a cached one, or plant a symlink that our clean-up follows
+    into the user's own files. Refused (``PermissionError`` naming the path and the
+    cause) when it is a symlink, not a directory, owned by another uid, or writable by
+    group or others; group/other *read* bits on our own directory are removed (only we
+    could have written into it). Checked through one descriptor opened without following
+    symlinks, so the directory checked is the directory changed.
+    """
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            what = "a symbolic link" if os.path.islink(path) else "not a directory"
+            raise PermissionError(errno.EPERM, f"FastPersist staging directory is {what}; refusing to use it "
+                                  f"(remove it, or set {STAGING_ENV} to a directory of your own)", path) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid():
+            raise PermissionError(errno.EPERM, f"FastPersist staging directory belongs to uid {st.st_uid}, not to "
+                                  f"this user (uid {os.getuid()}); another user may have created it to read or "
+                                  f"replace checkpoints. Remove it, or set {STAGING_ENV} to a directory of your own",
+                                  path)
+        if st.st_mode & 0o022:
+            raise PermissionError(errno.EPERM, f"FastPersist staging directory is writable by group or others "
+                                  f"(mode {stat.S_IMODE(st.st_mode):o}); refusing to use it (chmod 700 it, or set "
+                                  f"{STAGING_ENV} to a directory of your own)", path)
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return path
+
+
 def staging_dir() -> str:
+    """The staging directory (see :func:`configure`), created private on first use."""
     d = _config["staging_dir"] or os.environ.get(STAGING_ENV) or os.path.join(
         tempfile.gettempdir(), f"fastpersist-staging-{os.getuid()}")
     d = os.path.abspath(d)
     if d not in _cleaned:
-        os.makedirs(os.path.join(d, "pending"), exist_ok=True)
-        os.makedirs(os.path.join(d, "cache"), exist_ok=True)
+        parent = os.path.dirname(d)
+        if parent and not os.path.isdir(parent):
+            os.makedirs(parent, exist_ok=True)
+        private_dir(d)
+        private_dir(os.path.join(d, "pending"))
+        private_dir(os.path.join(d, "cache"))
         with _lock:
             _cleaned.add(d)
         clean_staging(d)
@@ -192,35 +255,79 @@ def staging_budget() -> int | None:
     return _parse_size(env) if env else None
 
 
-def _slot_alive(name: str) -> bool:
-    return commit.tag_alive(name)
+_SLOT_RE = re.compile(r"^[A-Za-z0-9_]+-\d+-[0-9a-f]{12}$")
+
+
+def _lock_dir(path: str, blocking: bool) -> int | None:
+    """Open ``path`` (a directory, symlinks not followed) and take an exclusive ``flock``
+    on it: the descriptor, or None when another open description holds the lock (its
+    owner is alive: the lock dies with the process, whatever host or container it ran in)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def clean_staging(directory: str | None = None) -> list[str]:
-    """Remove staging slots left by dead processes (crashed saves/downloads)."""
+    """Remove staging slots left by dead processes (crashed saves/downloads).
+
+    Only directories named as :class:`_Slot` names them are considered, never followed
+    through a symlink, and only when nobody holds their lock.
+    """
     d = os.path.join(directory or staging_dir(), "pending")
     removed = []
     try:
-        names = os.listdir(d)
+        entries = list(os.scandir(d))
     except OSError:
         return removed
-    for n in names:
-        if not _slot_alive(n):
-            shutil.rmtree(os.path.join(d, n), ignore_errors=True)
-            removed.append(os.path.join(d, n))
+    for e in entries:
+        if not _SLOT_RE.match(e.name) or not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = _lock_dir(e.path, blocking=False)
+        except OSError:
+            continue
+        if fd is None:
+            continue  # its writer is alive
+        try:
+            shutil.rmtree(e.path, ignore_errors=True)
+        finally:
+            os.close(fd)
+        if not os.path.lexists(e.path):
+            removed.append(e.path)
     return removed
 
 
 class _Slot:
-    """A private staging directory for one save or download; ``close`` removes it."""
+    """A private staging directory for one save or download; ``close`` removes it.
+
+    It is locked (``flock``) for its whole life, so :func:`clean_staging` in any other
+    process leaves it alone while this one lives, and removes it once this one is gone.
+    """
 
     def __init__(self, basename: str) -> None:
         self.dir = os.path.join(staging_dir(), "pending", f"{commit.writer_tag()}-{uuid.uuid4().hex[:12]}")
-        os.makedirs(self.dir)
-        self.path = os.path.join(self.dir, basename or "checkpoint")
+        os.mkdir(self.dir, 0o700)
+        self._fd = _lock_dir(self.dir, blocking=True)
+        self.path = os.path.join(self.dir, basename)
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _base_name(url: str) -> str:
+    """The last component of a URL as a local file name (never ``..``, ``.`` or empty)."""
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return name if name not in ("", ".", "..") and "\0" not in name else "checkpoint"
 
 
 def _key(url: str) -> str:
@@ -293,11 +400,12 @@ def _cache_put(local: str, url: str, info: dict) -> str:
     """Move the committed file ``local`` into the cache as the copy of ``url``."""
     d = _cache_dir(url)
     _drop_dir(d)
-    os.makedirs(d)
+    os.mkdir(d, 0o700)
     dest = os.path.join(d, os.path.basename(local))
     os.replace(local, dest)
+    os.chmod(dest, 0o600)
     side = os.path.join(d, _SIDECAR + TMP_SUFFIX)
-    with open(side, "w") as f:
+    with os.fdopen(os.open(side, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "w") as f:
         json.dump({"url": url, "file": os.path.basename(dest), "fingerprint": _fingerprint(info),
                    "time": time.time()}, f)
     os.replace(side, os.path.join(d, _SIDECAR))
@@ -307,7 +415,8 @@ def _cache_put(local: str, url: str, info: dict) -> str:
 def _cache_get(url: str, info: dict) -> str | None:
     d = _cache_dir(url)
     try:
-        with open(os.path.join(d, _SIDECAR)) as f:
+        fd = os.open(os.path.join(d, _SIDECAR), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as f:
             side = json.load(f)
         local = os.path.join(d, side["file"])
         if side["url"] != url or side["fingerprint"] != _fingerprint(info) \
@@ -404,9 +513,9 @@ class RemoteSave:
         self.storage_options = storage_options
         self.keep_local = keep_local
         filesystem(self.final, storage_options)  # a bad protocol / missing driver fails now
-        self.slot = _Slot(self.final.rstrip("/").rsplit("/", 1)[-1])
+        self.slot = _Slot(_base_name(self.final))
         try:
-            self.local = PreparedSave(obj, self.slot.path, options, format, metadata)
+            self.local = PreparedSave(obj, self.slot.path, options, format, metadata, mode=0o600)
         except BaseException:
             self.slot.close()
             raise
@@ -479,7 +588,7 @@ def fetch(url: str, *, storage_options: dict | None = None, keep_local: bool = F
     size = int(info.get("size") or 0)
     with contextlib.suppress(OSError):
         _make_room(size)
-    slot = _Slot(rpath.rstrip("/").rsplit("/", 1)[-1])
+    slot = _Slot(_base_name(rpath))
     try:
         t0 = time.perf_counter()
         fs.get_file(rpath, slot.path, callback=_Progress("downloading", url))
@@ -629,6 +738,37 @@ def list_complete(parent_url: str, prefix: str = "", *, storage_options: dict | 
     return sorted(out)
 
 
+def marker_files(marker: bytes, url: str) -> dict[str, int]:
+    """The ``{relative name: size}`` table of a directory's completion marker, validated.
+
+    The marker comes from the store, so it is untrusted: every name must be a relative
+    path that stays inside the directory (no absolute names, no ``..``, ``.`` or empty
+    components, no NUL) and every size a non-negative integer. Anything else raises
+    :class:`CorruptCheckpointError` naming the URL: a download never writes outside its
+    target.
+    """
+    def bad(detail: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(url, COMPLETE_MARKER, detail)
+
+    try:
+        doc = json.loads(marker)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise bad(f"does not parse: {e}") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict):
+        raise bad("has no 'files' table")
+    for name, size in files.items():
+        parts = name.split("/")
+        if (not name or name.startswith("/") or "\\" in name or "\0" in name
+                or any(p in ("", ".", "..") for p in parts)):
+            raise bad(f"names the file {name!r}, which is not a plain relative path inside the directory")
+        if name == COMPLETE_MARKER:
+            raise bad(f"lists the marker {name!r} itself")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise bad(f"gives {name!r} the size {size!r}")
+    return files
+
+
 def download_dir(url: str, local_dir: str | os.PathLike | None = None, *,
                  storage_options: dict | None = None) -> str:
     """Download the complete remote directory ``url``; return the local directory.
@@ -644,19 +784,22 @@ def download_dir(url: str, local_dir: str | os.PathLike | None = None, *,
     except FileNotFoundError:
         raise FileNotFoundError(f"{url} is not a complete FastPersist checkpoint directory "
                                 f"(no {COMPLETE_MARKER}: missing, or its upload never finished)") from None
-    if local_dir is None:
+    files = marker_files(marker, url)
+    in_staging = local_dir is None
+    if in_staging:
         cache = _cache_dir(url)
-        local_dir = os.path.join(cache, rpath.rstrip("/").rsplit("/", 1)[-1])
+        local_dir = os.path.join(cache, _base_name(rpath))
         with contextlib.suppress(OSError), open(os.path.join(local_dir, COMPLETE_MARKER), "rb") as f:
             if f.read() == marker:
                 return local_dir
         _drop_dir(cache)
+        os.mkdir(cache, 0o700)
     local_dir = os.path.abspath(os.fspath(local_dir))
-    files = json.loads(marker)["files"]
     with contextlib.suppress(OSError):
         _make_room(sum(files.values()))
     tmp = local_dir.rstrip("/") + f".{commit.writer_tag()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
-    os.makedirs(tmp)
+    os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    os.mkdir(tmp, 0o700 if in_staging else 0o777)
     try:
         t0 = time.perf_counter()
         rels = sorted(files)
@@ -665,8 +808,11 @@ def download_dir(url: str, local_dir: str | os.PathLike | None = None, *,
         if rels:
             fs.get([_join(rpath, r) for r in rels], [os.path.join(tmp, r) for r in rels])
         for r, n in files.items():
-            if os.path.getsize(os.path.join(tmp, r)) != n:
+            local = os.path.join(tmp, r)
+            if os.path.getsize(local) != n:
                 raise OSError(f"download of {url}/{r}: size differs from the marker's {n}")
+            if in_staging:
+                os.chmod(local, 0o600)
         with open(os.path.join(tmp, COMPLETE_MARKER), "wb") as f:
             f.write(marker)
         if os.path.lexists(local_dir):

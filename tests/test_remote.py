@@ -359,7 +359,7 @@ def test_staging_dir_from_env(tmp_path, monkeypatch, mem):
 def test_stale_staging_slots_are_cleaned(tmp_path):
     d = str(tmp_path / "st")
     host = commit.writer_tag().rsplit("-", 1)[0]
-    dead = os.path.join(d, "pending", f"{host}-999999999-abc")
+    dead = os.path.join(d, "pending", f"{host}-999999999-0123456789ab")
     os.makedirs(dead)
     open(os.path.join(dead, "x.pt"), "w").close()
     assert remote.clean_staging(d) == [dead]
