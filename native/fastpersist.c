@@ -548,6 +548,16 @@ static double now_s(void)
 static ll align_up(ll v, ll a) { return (v + a - 1) / a * a; }
 static ll align_down(ll v, ll a) { return v / a * a; }
 
+/* File offsets and lengths handed in from Python come from parsed checkpoint files
+ * too, so they are not trusted: a sum that does not fit a file offset is refused, never
+ * computed (signed overflow is undefined; the -fwrapv in Python's CFLAGS would only
+ * turn it into a negative end that passes every later comparison).  Returns 0 and
+ * *end = off + len, or -1. */
+static int end_of(ll off, ll len, ll *end) { return __builtin_add_overflow(off, len, end) ? -1 : 0; }
+
+/* Whether [addr, addr + len) stays inside the address space (len >= 0). */
+static int addr_range_ok(uint64_t addr, ll len) { return (uint64_t)len <= UINT64_MAX - addr; }
+
 static ll read_sysfs_ll(const char *path)
 {
     FILE *f = fopen(path, "re");
@@ -857,6 +867,10 @@ static int fill_slot(job_t *j, int s, int k)
     sl->first = 1;
     sl->fault_errno = 0;
     if (it->direct) {
+        /* The one read of zero-copy source memory in user space: with no known CRC it is
+         * checksummed here, so memory freed under the call is a SIGSEGV on this thread
+         * rather than the kernel's EFAULT on the write (callers that checksummed while
+         * staging pass the CRC and skip this). */
         if (j->checksum && !j->ext[it->e_lo].has_crc)
             j->pieces[it->piece_base] = crc32c_update(0, (const void *)(uintptr_t)it->src, (size_t)it->len);
         sl->ptr = (char *)(uintptr_t)it->src;
@@ -1273,9 +1287,12 @@ static void *read_main(void *arg)
         ll ws = rj->off > cs ? rj->off : cs;
         ll we = rj->off + rj->len < ce ? rj->off + rj->len : ce;
         int err = 0;
-        char *dst_chunk = rj->dst + (cs - rj->off);
-        if (rj->direct && ws == cs && we == ce && ((uintptr_t)dst_chunk % (uintptr_t)rj->mem_align) == 0) {
+        /* where chunk k's start lands in the caller's memory; an address (not a pointer)
+         * since it may lie before the destination when the chunk starts before off */
+        uintptr_t chunk_addr = (uintptr_t)rj->dst + (uintptr_t)(cs - rj->off);
+        if (rj->direct && ws == cs && we == ce && (chunk_addr % (uintptr_t)rj->mem_align) == 0) {
             /* the caller's memory is aligned like the file here: no staging copy */
+            char *dst_chunk = rj->dst + (cs - rj->off);
             err = pread_full(rj, dst_chunk, cs, ce - cs, ce - cs);
             if (!err && rj->checksum)
                 rj->crcs[k] = crc32c_update(0, dst_chunk, (size_t)(ce - cs));
@@ -1382,16 +1399,50 @@ static PyObject *raise_errno_path(int e, PyObject *path)
     return PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
 }
 
+/* OSError(e, msg, path): errno, subclass and filename as PyErr_SetFromErrno gives them,
+ * with our own message. */
+static PyObject *raise_errno_msg_path(int e, const char *msg, PyObject *path)
+{
+    PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", e, msg, path);
+    if (exc) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+/* The error of a write (writing) or of a read into the caller's memory.  EFAULT there
+ * is about memory, not the file: zero-copy writes and direct reads hand the caller's
+ * own pages to the kernel, and the kernel found them gone (freed or unmapped while the
+ * call ran; staging buffers are ours and stay mapped).  "Bad address" next to a file
+ * name reads like a problem with the file, so it is said in words. */
+static PyObject *raise_io_error(int e, PyObject *path, int writing)
+{
+    if (e != EFAULT)
+        return raise_errno_path(e, path);
+    char msg[384];
+    if (writing)
+        snprintf(msg, sizeof msg,
+                 "EFAULT (%s): the source memory of the checkpoint was freed or unmapped while it was "
+                 "being written (zero-copy writes read it in the kernel: it must stay alive until write() "
+                 "returns)", strerror(EFAULT));
+    else
+        snprintf(msg, sizeof msg,
+                 "EFAULT (%s): the destination memory was freed or unmapped while the file was being "
+                 "read into it", strerror(EFAULT));
+    return raise_errno_msg_path(EFAULT, msg, path);
+}
+
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"path", "backend", "create", "queue_depth", "chunk_bytes",
-                             "copy_threads", "io_threads", NULL};
+                             "copy_threads", "io_threads", "tmpfile", "mode", NULL};
     PyObject *path = NULL;
     const char *backend = "auto";
-    int create = 1, qd = 16, ct = 2, iot = 4;
+    int create = 1, qd = 16, ct = 2, iot = 4, tmpfile = 0, mode = 0666;
     ll chunk = 4 << 20;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$spiLii", kwlist, PyUnicode_FSDecoder, &path,
-                                     &backend, &create, &qd, &chunk, &ct, &iot))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|$spiLiipi", kwlist, PyUnicode_FSDecoder, &path,
+                                     &backend, &create, &qd, &chunk, &ct, &iot, &tmpfile, &mode))
         return -1;
     if (self->busy) {
         Py_DECREF(path);
@@ -1429,14 +1480,28 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_ValueError, "io_threads must be in [1, 256], got %d", iot);
         return -1;
     }
+    if (mode < 0 || mode > 07777) {
+        PyErr_Format(PyExc_ValueError, "mode must be in [0, 0o7777], got %#o", mode);
+        return -1;
+    }
+    if (tmpfile && !create) {
+        PyErr_SetString(PyExc_ValueError, "tmpfile=True creates a new unnamed file: create=False does not apply");
+        return -1;
+    }
     PyObject *pbytes = PyUnicode_EncodeFSDefault(path);
     if (!pbytes)
         return -1;
     const char *cpath = PyBytes_AS_STRING(pbytes);
-    int flags = O_WRONLY | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0);
+    /* tmpfile: path is a directory and the file an unnamed inode in it, linked into place
+     * by the caller (linkat of /proc/self/fd/N) once complete; a crash before leaves
+     * nothing behind.  Not O_EXCL: that would forbid the link.  Kernels or file systems
+     * without it answer EISDIR (old kernels: O_TMPFILE contains O_DIRECTORY), EOPNOTSUPP
+     * or EINVAL, which the caller takes as "use a named file". */
+    int flags = tmpfile ? O_TMPFILE | O_WRONLY | O_CLOEXEC
+                        : O_WRONLY | O_CLOEXEC | (create ? O_CREAT | O_EXCL : 0);
     int fd, oerr = 0;
     Py_BEGIN_ALLOW_THREADS
-    fd = open(cpath, flags, 0666);
+    fd = open(cpath, flags, (mode_t)mode);
     if (fd < 0)
         oerr = errno;
     Py_END_ALLOW_THREADS
@@ -1504,8 +1569,8 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
     return 0;
 fail:
     close(fd);
-    if (create)
-        unlink(cpath); /* we created it with O_EXCL */
+    if (create && !tmpfile)
+        unlink(cpath); /* we created it with O_EXCL; an unnamed file goes with its fd */
     Py_DECREF(pbytes);
     if (ring_fail || odirect_fail) {
         char msg[256];
@@ -1514,11 +1579,7 @@ fail:
                      "'buffered' here", strerror(e), errname(e));
         else
             snprintf(msg, sizeof msg, "io_uring unavailable: io_uring_setup failed: %s (%s)", strerror(e), errname(e));
-        PyObject *exc = PyObject_CallFunction(PyExc_OSError, "isO", e, msg, path);
-        if (exc) {
-            PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
-            Py_DECREF(exc);
-        }
+        raise_errno_msg_path(e, msg, path);
         return -1;
     }
     raise_errno_path(e, path);
@@ -1596,6 +1657,8 @@ fail:
 static int items_push(item_t **items, int *n, int *cap, item_t it)
 {
     if (*n == *cap) {
+        if (*cap > INT_MAX / 2)
+            return -1; /* the caller bounds the count well below */
         int nc = *cap ? *cap * 2 : 64;
         item_t *ni = PyMem_Realloc(*items, sizeof(item_t) * nc);
         if (!ni)
@@ -1626,13 +1689,24 @@ static PyObject *Engine_write(EngineObject *self, PyObject *args, PyObject *kw)
         PyErr_Format(PyExc_ValueError, "start=%lld is not a multiple of the alignment %lld", start, A);
         return NULL;
     }
+    /* The range is padded up to the alignment and cut into chunks: end + alignment +
+     * chunk must still be a file offset.  No file system takes files that large anyway. */
+    ll chunk = self->chunk;
+    if (end > LLONG_MAX - chunk - A) {
+        PyErr_Format(PyExc_ValueError,
+                     "end=%lld is too close to the largest file offset (2**63 - 1) to be written in "
+                     "chunks of %lld bytes", end, chunk);
+        return NULL;
+    }
     extent_t *ext = NULL;
     int n_ext = 0;
     if (parse_extents(ext_obj, &ext, &n_ext))
         return NULL;
     ll prev_end = start;
     for (int i = 0; i < n_ext; i++) {
-        if (ext[i].len < 0 || ext[i].off < prev_end || ext[i].off + ext[i].len > end) {
+        /* off >= prev_end >= start >= 0 here, so end - off cannot overflow; off + len
+         * could (both from the caller) and is only formed once it is known to be <= end */
+        if (ext[i].len < 0 || ext[i].off < prev_end || ext[i].off > end || ext[i].len > end - ext[i].off) {
             PyErr_Format(PyExc_ValueError,
                          "extent %d (file_offset=%lld, length=%lld) is negative, overlaps the previous one, "
                          "is out of order or lies outside [start=%lld, end=%lld)",
@@ -1645,10 +1719,23 @@ static PyObject *Engine_write(EngineObject *self, PyObject *args, PyObject *kw)
             PyMem_Free(ext);
             return NULL;
         }
+        if (!addr_range_ok(ext[i].addr, ext[i].len)) {
+            PyErr_Format(PyExc_ValueError, "extent %d: addr=%#llx + length=%lld wraps around the address space",
+                         i, (unsigned long long)ext[i].addr, ext[i].len);
+            PyMem_Free(ext);
+            return NULL;
+        }
         prev_end = ext[i].off + ext[i].len;
     }
     ll endp = align_up(end, A);
-    ll chunk = self->chunk;
+    /* Items are counted in an int: at most two per chunk of the range (a chunk cut by a
+     * zero-copy extent's start) and two more per extent. */
+    if ((endp - start) / chunk + 1 > (INT_MAX - 2 * (ll)n_ext - 2) / 2) {
+        PyErr_Format(PyExc_ValueError, "range [start=%lld, end=%lld) has too many chunks of %lld bytes", start,
+                     end, chunk);
+        PyMem_Free(ext);
+        return NULL;
+    }
 
     /* ---- cut the range into items ---- */
     item_t *items = NULL;
@@ -1795,7 +1882,7 @@ static PyObject *Engine_write(EngineObject *self, PyObject *args, PyObject *kw)
     pthread_cond_destroy(&j.cv_slot);
     pthread_cond_destroy(&j.cv_ready);
     if (j.err) {
-        raise_errno_path(j.err, self->path);
+        raise_io_error(j.err, self->path, 1);
         goto out;
     }
     {
@@ -1923,7 +2010,10 @@ static PyMethodDef Engine_methods[] = {
      "[start, end); bytes not covered are zeros.  crcs[i] is the CRC-32C of extent i (0 without\n"
      "checksum); a known_crc32c (not None) is returned as is and not recomputed for bytes written\n"
      "zero-copy.  zero_copy: extents aligned in memory and file are written from their memory.\n"
-     "stats['zero_copy_bytes'] counts those bytes."},
+     "stats['zero_copy_bytes'] counts those bytes.  That memory must stay mapped until write()\n"
+     "returns: the kernel reports memory gone under a zero-copy write as OSError(EFAULT) (an\n"
+     "extent without known CRC is also read here to checksum it, which would crash instead).\n"
+     "Offsets, lengths and the range are checked: off + length past 2**63 - 1 is a ValueError."},
     {"truncate", (PyCFunction)Engine_truncate, METH_O, "truncate(size): ftruncate the file."},
     {"sync", (PyCFunction)Engine_sync, METH_NOARGS, "sync(): fdatasync the file (GIL released)."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "close(): close the ring and the file; idempotent."},
@@ -1957,9 +2047,16 @@ static PyTypeObject EngineType = {
     .tp_basicsize = sizeof(EngineObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Engine(path, *, backend='auto', create=True, queue_depth=16, chunk_bytes=4<<20,\n"
-              "       copy_threads=2, io_threads=4)\n\n"
+              "       copy_threads=2, io_threads=4, tmpfile=False, mode=0o666)\n\n"
               "Writer of byte ranges of one file through aligned staging buffers with\n"
-              "io_uring, a pwrite thread pool (O_DIRECT) or buffered pwrite.",
+              "io_uring, a pwrite thread pool (O_DIRECT) or buffered pwrite.\n"
+              "create: a new file (O_CREAT | O_EXCL; removed again if the engine cannot start),\n"
+              "else an existing one.  tmpfile: path is a directory and the file an unnamed one in\n"
+              "it (O_TMPFILE), to be linked into place by linkat(AT_SYMLINK_FOLLOW) of\n"
+              "/proc/self/fd/N: os.link(str(N), name, src_dir_fd=<fd of /proc/self/fd>,\n"
+              "follow_symlinks=True) (without a dir_fd, CPython calls link(2), which ignores\n"
+              "follow_symlinks: EXDEV).  Its errors name the directory (EOPNOTSUPP, EISDIR,\n"
+              "EINVAL: not supported there).  mode: permissions of the new file, less the umask.",
     .tp_new = Engine_new,
     .tp_init = (initproc)Engine_init,
     .tp_dealloc = (destructor)Engine_dealloc,
@@ -2083,8 +2180,19 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
         PyErr_Format(PyExc_ValueError, "invalid read (file_offset=%lld, length=%lld)", off, len);
         return NULL;
     }
+    ll end;
+    if (end_of(off, len, &end)) {
+        PyErr_Format(PyExc_ValueError, "invalid read: file_offset=%lld + length=%lld overflows a 64-bit file offset",
+                     off, len);
+        return NULL;
+    }
     if (len > 0 && addr == 0) {
         PyErr_SetString(PyExc_ValueError, "addr is NULL");
+        return NULL;
+    }
+    if (!addr_range_ok(addr, len)) {
+        PyErr_Format(PyExc_ValueError, "invalid read: addr=%#llx + length=%lld wraps around the address space", addr,
+                     len);
         return NULL;
     }
     if (threads < 1 || threads > 64) {
@@ -2097,6 +2205,23 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
     }
     if (len == 0)
         return PyLong_FromLong(0);
+    /* The end of file first: a length from a damaged or hostile file is an EOFError
+     * before anything is sized by it. */
+    struct stat st;
+    int serr = 0;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    if (fstat(self->fd, &st) < 0)
+        serr = errno;
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    if (serr)
+        return raise_errno_path(serr, self->path);
+    if (end > st.st_size) {
+        PyErr_Format(PyExc_EOFError, "%R: read of %lld bytes at offset %lld reaches past end of file (size %lld)",
+                     self->path, len, off, (ll)st.st_size);
+        return NULL;
+    }
     rjob_t rj;
     memset(&rj, 0, sizeof rj);
     rj.fd = self->fd;
@@ -2105,11 +2230,19 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
     rj.align = self->direct ? self->alignment : 1;
     rj.mem_align = self->mem_alignment;
     rj.chunk = self->direct ? align_up(chunk, self->alignment) : chunk;
+    /* chunks are aligned and walked past the end by up to a chunk: only a file within
+     * that distance of 2**63 - 1 (none on a real file system) could get here */
+    if (end > LLONG_MAX - rj.chunk - rj.align) {
+        PyErr_Format(PyExc_ValueError,
+                     "invalid read: file_offset=%lld + length=%lld is too close to the largest file offset "
+                     "(2**63 - 1)", off, len);
+        return NULL;
+    }
     rj.off = off;
     rj.len = len;
     rj.dst = (char *)(uintptr_t)addr;
     rj.base = align_down(off, rj.align);
-    rj.aend = align_up(off + len, rj.align);
+    rj.aend = align_up(end, rj.align);
     ll nch = (rj.aend - rj.base + rj.chunk - 1) / rj.chunk;
     if (nch > INT_MAX) {
         PyErr_SetString(PyExc_ValueError, "read too large for chunk_bytes");
@@ -2120,7 +2253,6 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
     if (!rj.crcs)
         return PyErr_NoMemory();
     pthread_mutex_init(&rj.mu, NULL);
-    struct stat st;
     int nthr = (len < READ_INLINE_MAX) ? 1 : threads;
     if (nthr > rj.nchunks)
         nthr = rj.nchunks;
@@ -2128,34 +2260,27 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
     ll fsize = -1;
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    if (fstat(rj.fd, &st) < 0) {
-        rj.err = errno;
-    } else if (off + len > st.st_size) {
-        rj.err = -1;
-        fsize = st.st_size;
-    } else {
-        pthread_t t[64];
-        int n = 0;
-        for (int i = 1; i < nthr; i++) {
-            if (spawn(&t[n], read_main, &rj) != 0)
-                break; /* fewer threads is fine */
-            n++;
-        }
-        read_main(&rj);
-        for (int i = 0; i < n; i++)
-            pthread_join(t[i], NULL);
-        if (!rj.err && checksum) {
-            for (int k = 0; k < rj.nchunks; k++) {
-                ll cs = rj.base + (ll)k * rj.chunk;
-                ll ce = cs + rj.chunk < rj.aend ? cs + rj.chunk : rj.aend;
-                ll ws = off > cs ? off : cs;
-                ll we = off + len < ce ? off + len : ce;
-                crc = crc32c_combine(crc, rj.crcs[k], (uint64_t)(we - ws));
-            }
-        }
-        if (rj.err == -1 && fstat(rj.fd, &st) == 0)
-            fsize = st.st_size;
+    pthread_t t[64];
+    int n = 0;
+    for (int i = 1; i < nthr; i++) {
+        if (spawn(&t[n], read_main, &rj) != 0)
+            break; /* fewer threads is fine */
+        n++;
     }
+    read_main(&rj);
+    for (int i = 0; i < n; i++)
+        pthread_join(t[i], NULL);
+    if (!rj.err && checksum) {
+        for (int k = 0; k < rj.nchunks; k++) {
+            ll cs = rj.base + (ll)k * rj.chunk;
+            ll ce = cs + rj.chunk < rj.aend ? cs + rj.chunk : rj.aend;
+            ll ws = off > cs ? off : cs;
+            ll we = end < ce ? end : ce;
+            crc = crc32c_combine(crc, rj.crcs[k], (uint64_t)(we - ws));
+        }
+    }
+    if (rj.err == -1 && fstat(rj.fd, &st) == 0) /* the file shrank meanwhile */
+        fsize = st.st_size;
     Py_END_ALLOW_THREADS
     self->busy = 0;
     pthread_mutex_destroy(&rj.mu);
@@ -2166,7 +2291,7 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
         return NULL;
     }
     if (rj.err)
-        return raise_errno_path(rj.err, self->path);
+        return raise_io_error(rj.err, self->path, 0);
     return PyLong_FromUnsignedLong(crc);
 }
 
@@ -2207,7 +2332,9 @@ static PyMethodDef Reader_methods[] = {
     {"read_into", (PyCFunction)(void (*)(void))Reader_read_into, METH_VARARGS | METH_KEYWORDS,
      "read_into(file_offset, addr, length, *, checksum=False, threads=2, chunk_bytes=4<<20) -> crc\n\n"
      "Read [file_offset, file_offset+length) into memory at addr (any alignment).\n"
-     "Returns the CRC-32C of the bytes read when checksum, else 0.  EOFError past the end."},
+     "Returns the CRC-32C of the bytes read when checksum, else 0.  EOFError past the end;\n"
+     "ValueError when file_offset + length overflows a file offset; OSError(EFAULT) when the\n"
+     "destination is unmapped under a read the kernel makes into it."},
     {"close", (PyCFunction)Reader_close, METH_NOARGS, "close(); idempotent"},
     {"fileno", (PyCFunction)Reader_fileno, METH_NOARGS, NULL},
     {"__enter__", (PyCFunction)Reader_enter, METH_NOARGS, NULL},
@@ -2272,7 +2399,7 @@ static PyObject *mod_crc32c_addr(PyObject *m, PyObject *args, PyObject *kw)
     unsigned long crc = 0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KL|k", kwlist, &addr, &len, &crc))
         return NULL;
-    if (len < 0 || (len > 0 && addr == 0)) {
+    if (len < 0 || (len > 0 && addr == 0) || !addr_range_ok(addr, len)) {
         PyErr_SetString(PyExc_ValueError, "invalid address or length");
         return NULL;
     }
@@ -2290,7 +2417,7 @@ static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kw)
     ll len;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "KKL", kwlist, &dst, &src, &len))
         return NULL;
-    if (len < 0 || (len > 0 && (dst == 0 || src == 0))) {
+    if (len < 0 || (len > 0 && (dst == 0 || src == 0)) || !addr_range_ok(dst, len) || !addr_range_ok(src, len)) {
         PyErr_SetString(PyExc_ValueError, "invalid address or length");
         return NULL;
     }
@@ -2388,6 +2515,10 @@ static PyObject *mod_populate(PyObject *m, PyObject *args)
     unsigned long long addr, n;
     if (!PyArg_ParseTuple(args, "KK", &addr, &n))
         return NULL;
+    if (addr > UINT64_MAX - 4096 || n > UINT64_MAX - 4096 - addr) { /* hi below must not wrap */
+        PyErr_SetString(PyExc_ValueError, "invalid address or length: the range wraps around the address space");
+        return NULL;
+    }
     const uintptr_t page = 4096;
     uintptr_t lo = (uintptr_t)addr & ~(page - 1);
     uintptr_t hi = ((uintptr_t)addr + (uintptr_t)n + page - 1) & ~(page - 1);

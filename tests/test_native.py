@@ -640,3 +640,299 @@ def test_populate_of_memory_it_cannot_write_raises_instead_of_crashing():
     with pytest.raises(OSError) as e:  # unmapped now
         _native.populate(addr, 4 * MiB)
     assert e.value.errno in (errno.ENOMEM, errno.EFAULT)
+
+
+# ---------------------------------------------------------------- untrusted offsets and lengths
+
+BIG = 2**63 - 1  # the largest file offset
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_reader_refuses_offset_plus_length_overflow(tmp_path, direct):
+    """Offsets and lengths come from parsed checkpoint files: off + len past 2**63 - 1 is a
+    ValueError (it used to be signed overflow, wrapping to a negative end under -fwrapv)."""
+    path, data = random_file(tmp_path / "o.bin", 10000, seed=41)
+    out = np.zeros(8192, dtype=np.uint8)
+    with _native.Reader(str(path), direct=direct) as r:
+        for off, length in [(BIG, 1), (1, BIG), (BIG - 100, 101), (2**62, 2**62), (BIG, BIG), (BIG - 4095, 8192)]:
+            with pytest.raises(ValueError, match="overflows a 64-bit file offset"):
+                r.read_into(off, out.ctypes.data, length)
+        # representable ends far past the file: EOFError, before anything is sized by them
+        for off, length in [(BIG - 100, 100), (0, BIG), (BIG - 1, 1), (5000, 2**62)]:
+            with pytest.raises(EOFError, match="past end of file"):
+                r.read_into(off, out.ctypes.data, length, chunk_bytes=4096)
+        assert r.read_into(BIG, out.ctypes.data, 0) == 0  # empty: nothing to read anywhere
+        for off, length in [(-1, 10), (0, -1), (-(2**63), 1)]:
+            with pytest.raises(ValueError, match="invalid read"):
+                r.read_into(off, out.ctypes.data, length)
+        for off, length in [(2**63, 1), (0, 2**63)]:
+            with pytest.raises(OverflowError):
+                r.read_into(off, out.ctypes.data, length)
+        # a destination whose end wraps around the address space
+        with pytest.raises(ValueError, match="wraps around the address space"):
+            r.read_into(0, 2**64 - 4096, 8192)
+        # still a working reader
+        assert r.read_into(3, out.ctypes.data, 5000, checksum=True) == _native.crc32c(data[3:5003])
+        assert np.array_equal(out[:5000], data[3:5003])
+
+
+def test_write_refuses_offset_plus_length_overflow(tmp_path):
+    """Engine.write's extents, range and truncate with values near 2**63: errors, never a
+    wrapped end (which made an extent look inside the range, or the range empty)."""
+    path = tmp_path / "w.bin"
+    buf = np.arange(8192, dtype=np.uint8)
+    a = buf.ctypes.data
+    with _native.Engine(str(path)) as eng:
+        A = eng.alignment
+        top = BIG // A * A  # the last aligned offset
+        # the range's end padded to the alignment would wrap (this used to "succeed",
+        # writing nothing)
+        for start, end in [(top, BIG), (0, BIG), (top - A, top)]:
+            with pytest.raises(ValueError, match="too close to the largest file offset"):
+                eng.write([], start, end)
+        # an extent whose off + len wraps negative (so it looked like it ended before `end`)
+        lo = 2**40
+        for ext in [(lo, a, BIG), (lo, a, 2**63 - lo + 5), (lo + 10, a, BIG - lo)]:
+            with pytest.raises(ValueError, match="extent 0"):
+                eng.write([ext], lo, lo + 2 * A)
+        with pytest.raises(ValueError, match="extent 1"):
+            eng.write([(lo, a, 10), (lo + 20, a, BIG)], lo, lo + 2 * A)
+        with pytest.raises(ValueError, match="extent 0"):
+            eng.write([(lo, a, -1)], lo, lo + 2 * A)
+        for bad in [(2**63, a, 1), (0, a, 2**63), (0, -1, 1)]:
+            with pytest.raises(OverflowError):
+                eng.write([bad], 0, A)
+        # source memory whose end wraps around the address space
+        with pytest.raises(ValueError, match="wraps around the address space"):
+            eng.write([(0, 2**64 - 100, 200)], 0, A)
+        # more chunks than the engine counts
+        with pytest.raises(ValueError, match="too many chunks"):
+            eng.write([], 0, 2**62)
+        # truncate: negative -> ValueError, too big for a long long -> OverflowError,
+        # too big for the file system -> OSError naming the file
+        with pytest.raises(ValueError):
+            eng.truncate(-1)
+        with pytest.raises(OverflowError):
+            eng.truncate(2**63)
+        with pytest.raises(OSError) as ei:
+            eng.truncate(BIG)
+        assert ei.value.errno in (errno.EFBIG, errno.EINVAL) and ei.value.filename == str(path)
+        # the engine still writes
+        eng.write([(5, a, 8000)], 0, 8005)
+        eng.truncate(8005)
+    assert read_file(path) == b"\0" * 5 + buf[:8000].tobytes()
+
+
+def test_memory_ranges_that_wrap_are_refused():
+    big_addr = 2**64 - 4096
+    with pytest.raises(ValueError):
+        _native.crc32c_addr(big_addr, 8192)
+    src = np.arange(100, dtype=np.uint8)
+    with pytest.raises(ValueError):
+        _native.copy_crc32c(big_addr, src.ctypes.data, 8192)
+    with pytest.raises(ValueError):
+        _native.copy_crc32c(src.ctypes.data, big_addr, 8192)
+    with pytest.raises(ValueError):
+        _native.populate(big_addr, 8192)
+    assert _native.crc32c_addr(src.ctypes.data, 100) == _native.crc32c(src)
+
+
+# ---------------------------------------------------------------- freed source memory (EFAULT)
+
+
+def _mapped(lo: int, hi: int) -> bool:
+    """Whether any mapping of this process overlaps [lo, hi)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            a, b = (int(x, 16) for x in line.split()[0].split("-"))
+            if a < hi and lo < b:
+                return True
+    return False
+
+
+def _unmapped_hole(n: int):
+    """Memory that was mapped (an anonymous mmap, touched) and is unmapped now: n bytes at
+    the returned address.  The mapping is made with Python's mmap with a page on each side
+    and only its middle is munmapped, so the hole stays a hole (a mapping placed there
+    meanwhile, a thread stack or an arena, would turn the test's EFAULT into a write of
+    whatever it holds).  Returns (the mmap, to close, and the hole's address)."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    m, base = _anonymous_map(n + 2 * page)
+    m[page : page + n] = b"\xab" * n  # real pages, then freed
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    assert libc.munmap(base + page, n) == 0, os.strerror(ctypes.get_errno())
+    assert not _mapped(base + page, base + page + n)
+    return m, base + page
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threadpool", "buffered"])
+def test_zero_copy_write_from_unmapped_memory_is_a_clear_efault(tmp_path, backend):
+    """Zero-copy source memory freed before/while the kernel reads it: OSError(EFAULT) that
+    says so and names the file, the process unharmed and the engine still usable.
+
+    The extents carry a known CRC (or checksum=False): the engine then never reads the
+    source in user space (it would checksum a zero-copy extent with no known CRC itself,
+    and that read of unmapped memory is a SIGSEGV, not an error)."""
+    path = tmp_path / f"efault-{backend}.bin"
+    n = 64 * KiB
+    with _native.Engine(str(path), backend=backend, chunk_bytes=32 * KiB) as eng:
+        if eng.mem_alignment > 4096 or n % eng.alignment:
+            pytest.skip("zero-copy needs more alignment than page-aligned 64 KiB here")
+        assert eng.backend == backend
+        # warm up: the write's threads are created once (their stacks cached), as they would be
+        good = np.zeros(n + 4096, dtype=np.uint8)
+        src = good[(-good.ctypes.data) % 4096 :][:n]
+        src[:] = 7
+        _, stats = eng.write([(0, src.ctypes.data, n)], 0, n, zero_copy=True)
+        assert stats["zero_copy_bytes"] == n
+        m, hole = _unmapped_hole(n)
+        try:
+            for extents, kw in [
+                ([(0, hole, n, 0x1234)], {}),
+                ([(0, hole, n)], {"checksum": False}),
+                ([(0, src.ctypes.data, 4096, None), (4096, hole + 4096, n - 4096, 0)], {}),
+            ]:
+                with pytest.raises(OSError) as ei:
+                    eng.write(extents, 0, n + 100, zero_copy=True, **kw)
+                e = ei.value
+                assert e.errno == errno.EFAULT
+                assert e.filename == str(path)
+                assert "EFAULT" in str(e) and "freed or unmapped" in str(e), str(e)
+                assert "source memory" in str(e)
+            assert not _mapped(hole, hole + n)
+        finally:
+            m.close()
+        crcs, _ = eng.write([(0, src.ctypes.data, n, None)], 0, n, zero_copy=True)
+        assert crcs == [_native.crc32c(src)]
+        eng.truncate(n)
+    assert read_file(path) == src.tobytes()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_into_unmapped_memory_is_a_clear_efault(tmp_path, direct):
+    """A destination unmapped under a read: the kernel's EFAULT (buffered reads, and direct
+    reads into aligned memory, both read straight into it) says what happened."""
+    n = 64 * KiB
+    path, data = random_file(tmp_path / "r.bin", n, seed=43)
+    with _native.Reader(str(path), direct=direct) as r:
+        if direct and (not r.direct or r.mem_alignment > 4096 or n % r.alignment):
+            pytest.skip("no O_DIRECT read into page-aligned memory here")
+        m, hole = _unmapped_hole(n)
+        try:
+            with pytest.raises(OSError) as ei:
+                r.read_into(0, hole, n, chunk_bytes=n)
+            e = ei.value
+            assert e.errno == errno.EFAULT and e.filename == str(path)
+            assert "EFAULT" in str(e) and "destination memory was freed or unmapped" in str(e), str(e)
+        finally:
+            m.close()
+        out = np.zeros(n, dtype=np.uint8)
+        assert r.read_into(0, out.ctypes.data, n, checksum=True) == _native.crc32c(data)
+
+
+# ---------------------------------------------------------------- O_TMPFILE and mode
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def link_fd(fd: int, dst) -> None:
+    """Give the unnamed file open as fd the name dst: linkat(AT_SYMLINK_FOLLOW) of
+    /proc/self/fd/<fd>.  CPython (3.11 here) calls plain link(2) for
+    os.link(src, dst, follow_symlinks=True) unless a dir_fd is passed, and link(2) of the
+    /proc magic link fails with EXDEV; a src_dir_fd makes it call linkat with the flag."""
+    proc_fd = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(str(fd), dst, src_dir_fd=proc_fd, follow_symlinks=True)
+    finally:
+        os.close(proc_fd)
+
+
+def _tmpfile_engine(d, **kw):
+    try:
+        return _native.Engine(str(d), tmpfile=True, **kw)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            pytest.skip(f"no O_TMPFILE here: {e}")
+        raise
+
+
+@pytest.mark.parametrize("backend", ["io_uring", "threadpool", "buffered"])
+def test_tmpfile_engine_writes_an_unnamed_file_linked_into_place(tmp_path, umask_022, backend):
+    import fcntl
+    import stat
+
+    d = tmp_path / "dir"
+    d.mkdir()
+    rng = np.random.default_rng(44)
+    total = 1 * MiB + 777  # unaligned end
+    extents, keep, expected = make_layout(rng, total, 9)
+    with _tmpfile_engine(d, mode=0o600, backend=backend, chunk_bytes=128 * KiB) as eng:
+        assert eng.backend == backend and eng.path == str(d)
+        flags = fcntl.fcntl(eng.fileno(), fcntl.F_GETFL)
+        assert bool(flags & os.O_DIRECT) == (backend != "buffered")  # O_DIRECT as for named files
+        assert os.listdir(d) == []
+        crcs, _ = eng.write(extents, 0, total)
+        eng.truncate(total)
+        eng.sync()
+        assert os.listdir(d) == []  # complete, and still nameless
+        link_fd(eng.fileno(), d / "final.bin")
+    assert os.listdir(d) == ["final.bin"]
+    assert read_file(d / "final.bin") == expected.tobytes()
+    assert stat.S_IMODE(os.stat(d / "final.bin").st_mode) == 0o600
+    for (off, _, length), crc in zip(extents, crcs):
+        assert crc == _native.crc32c(expected[off : off + length])
+
+
+def test_tmpfile_and_mode_errors_name_the_directory(tmp_path, umask_022):
+    import stat
+
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "other").write_bytes(b"keep")
+    _tmpfile_engine(d).close()  # supported here (else skipped)
+    with pytest.raises(FileNotFoundError) as ei:
+        _native.Engine(str(tmp_path / "missing"), tmpfile=True)
+    assert ei.value.errno == errno.ENOENT and ei.value.filename == str(tmp_path / "missing")
+    with pytest.raises(NotADirectoryError) as ei:
+        _native.Engine(str(d / "other"), tmpfile=True)
+    assert ei.value.filename == str(d / "other")
+    # an engine that cannot start after the open: an error naming the directory, and nothing
+    # to unlink (the unnamed file goes with its descriptor)
+    _native.inject_fault("io_uring_setup", errno=errno.EPERM)
+    with pytest.raises(PermissionError) as ei:
+        _native.Engine(str(d), tmpfile=True, backend="io_uring")
+    assert ei.value.errno == errno.EPERM and ei.value.filename == str(d) and "io_uring" in str(ei.value)
+    with _native.Engine(str(d), tmpfile=True) as eng:  # auto falls back as for named files
+        assert eng.backend == "threadpool" and "EPERM" in eng.backend_reason
+    _native.inject_fault(None)
+    _native.inject_fault("o_direct")
+    with pytest.raises(OSError) as ei:
+        _native.Engine(str(d), tmpfile=True, backend="threadpool")
+    assert ei.value.errno == errno.EINVAL and ei.value.filename == str(d) and "O_DIRECT" in str(ei.value)
+    with _native.Engine(str(d), tmpfile=True) as eng:
+        assert eng.backend == "buffered"
+    _native.inject_fault(None)
+    assert sorted(os.listdir(d)) == ["other"] and (d / "other").read_bytes() == b"keep"
+    assert d.is_dir()
+    with pytest.raises(ValueError, match="create=False"):
+        _native.Engine(str(d), tmpfile=True, create=False)
+    for bad in (-1, 0o10000):
+        with pytest.raises(ValueError, match="mode"):
+            _native.Engine(str(d / "m.bin"), mode=bad)
+    assert not os.path.exists(d / "m.bin")
+    # mode for named files too (the umask applies)
+    with _native.Engine(str(d / "m600.bin"), mode=0o600):
+        pass
+    with _native.Engine(str(d / "m-default.bin")):
+        pass
+    assert stat.S_IMODE(os.stat(d / "m600.bin").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(d / "m-default.bin").st_mode) == 0o644
