@@ -22,6 +22,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         except OSError as e:
             print(f"FAIL {path}: {e}", file=sys.stderr)
             status = 2
+        except Exception as e:  # noqa: BLE001 - one file's surprise must not stop the others' checks
+            print(f"FAIL {path}: unexpected {type(e).__name__}: {e}", file=sys.stderr)
+            status = 2
         else:
             print(f"OK   {path}: {report['records']} records, {report['bytes']} bytes verified "
                   f"in {report['seconds'] * 1e3:.0f} ms")

@@ -1,80 +1,236 @@
-"""Read a checkpoint's manifest and check its bytes against it (``verify``, ``inspect``)."""
+"""Read a checkpoint's manifest and check its bytes against it (``verify``, ``inspect``).
+
+A checkpoint file is untrusted input: every offset, length and name read from it is
+checked against the file and against the zip's own central directory before it is used,
+and anything that does not fit raises :class:`CorruptCheckpointError` naming the file
+(never an ``EOFError``, ``KeyError`` or ``MemoryError`` from deep inside, never work
+beyond the file's size). Every read of one check goes through one open descriptor
+(:class:`CheckpointFile`), so a file atomically replaced under its name meanwhile (a
+trainer rewriting ``last.ckpt``) is checked whole, old or new, never half of each.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import struct
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from . import _native, remote
+from . import _native
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 from .manifest import RECORD_SUFFIX, STRUCTURE, TAIL, TAIL_COMMENT_PREFIX, Manifest, RecordInfo
 from .plan import structure_crc
 
-_SCRATCH_BYTES = 16 << 20
+_CHUNK = 16 << 20  # bytes read at once when checksumming from the descriptor
+_EOCD_SCAN = 22 + 0xFFFF  # the zip's end record and the longest comment it can carry
+_LOCAL_HEADER = 30
+_MANIFEST_BYTES_PER_ENTRY = 64 << 10  # a manifest larger than this per zip entry is not ours
+
+
+class CheckpointFile:
+    """A checkpoint file opened once; every read of one verification or load goes through it.
+
+    Readers that need their own descriptor (the native O_DIRECT reader, zipfile) reopen
+    this one through ``/proc/self/fd``: the same inode, whatever happens to the name.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            st = os.fstat(self.fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, "is a directory, not a checkpoint file", self.path)
+            self.size = st.st_size
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._zip: tuple[list[zipfile.ZipInfo], bytes, int] | None = None
+
+    def pread(self, off: int, n: int) -> bytes:
+        """``n`` bytes at ``off`` (fewer at the end of the file); ``n`` is capped by the size."""
+        n = max(0, min(n, self.size - off))
+        out = bytearray()
+        while len(out) < n:
+            chunk = os.pread(self.fd, min(n - len(out), _CHUNK), off + len(out))
+            if not chunk:
+                break
+            out += chunk
+        return bytes(out)
+
+    def crc(self, off: int, n: int) -> int:
+        """CRC-32C of [off, off + n), read a chunk at a time (memory bounded whatever ``n`` is)."""
+        crc, pos = 0, 0
+        while pos < n:
+            chunk = os.pread(self.fd, min(n - pos, _CHUNK), off + pos)
+            if not chunk:
+                raise CorruptCheckpointError(self.path, STRUCTURE, f"file ends at byte {off + pos}, before {off + n}")
+            crc = _native.crc32c(chunk, crc)
+            pos += len(chunk)
+        return crc
+
+    def native_reader(self) -> _NamedReader:
+        return _NamedReader(self.path, _native.Reader(f"/proc/self/fd/{self.fd}", direct=True))
+
+    def zip_directory(self) -> tuple[list[zipfile.ZipInfo], bytes, int]:
+        """``(entries, comment, start of the central directory)``, read once."""
+        if self._zip is None:
+            try:
+                with os.fdopen(os.dup(self.fd), "rb") as f, zipfile.ZipFile(f) as z:
+                    self._zip = (z.infolist(), z.comment, z.start_dir)
+            except Exception as e:  # noqa: BLE001 - crafted zips raise ValueError, struct.error, EOFError...
+                raise CorruptCheckpointError(self.path, STRUCTURE, f"not a complete zip file (truncated?): "
+                                             f"{type(e).__name__}: {e}") from None
+        return self._zip
+
+    def carries_tail_mark(self) -> bool:
+        """Does the file end in FastPersist's tail-checksum comment? Then it was written with
+        a manifest, and a manifest that cannot be found means damage, not another tool."""
+        scan = min(self.size, _EOCD_SCAN)
+        return TAIL_COMMENT_PREFIX in self.pread(self.size - scan, scan)
+
+    def data_offset(self, info: zipfile.ZipInfo) -> int:
+        """Where ``info``'s data starts, from its local header; checked to lie in the file."""
+        head = self.pread(info.header_offset, _LOCAL_HEADER)
+        if len(head) < _LOCAL_HEADER or struct.unpack_from("<I", head)[0] != 0x04034B50:
+            raise CorruptCheckpointError(self.path, info.filename, f"local header at byte {info.header_offset} "
+                                         "is damaged")
+        n, e = struct.unpack_from("<HH", head, 26)
+        off = info.header_offset + _LOCAL_HEADER + n + e
+        if off + info.file_size > self.size:
+            raise CorruptCheckpointError(self.path, info.filename, f"{info.file_size} bytes at byte {off} run past "
+                                         f"the end of the {self.size}-byte file")
+        return off
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> CheckpointFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _NamedReader:
+    """The native reader of a reopened descriptor, whose errors name the checkpoint's path
+    (not ``/proc/self/fd/N``)."""
+
+    def __init__(self, path: str, reader: _native.Reader) -> None:
+        self.path, self._r = path, reader
+
+    def read_into(self, *args: Any, **kwargs: Any) -> int:
+        try:
+            return self._r.read_into(*args, **kwargs)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.path) from e
+        except EOFError as e:
+            raise EOFError(str(e).replace(repr(self._r.path), repr(self.path))) from e
+
+    def close(self) -> None:
+        self._r.close()
+
+    def __enter__(self) -> _NamedReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 @dataclass
 class ManifestView:
     path: str
     manifest: Manifest
-    header_offset: int  # where the tail starts
+    header_offset: int  # where the tail starts (the manifest's local header)
+    entries: list[zipfile.ZipInfo] = field(default_factory=list)
 
 
-def _pread(fd: int, off: int, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        chunk = os.pread(fd, n - len(out), off + len(out))
-        if not chunk:
-            break
-        out += chunk
-    return bytes(out)
+def read_manifest(cf: CheckpointFile, check_tail: bool = True) -> ManifestView:
+    """Locate, check and parse the manifest of ``cf``.
 
-
-def read_manifest(path: str, check_tail: bool = True) -> ManifestView:
-    """Locate and parse the manifest; with ``check_tail``, check the tail's CRC first."""
-    path = os.fspath(path)
-    try:
-        with zipfile.ZipFile(path) as z:
-            infos = z.infolist()
-            comment = z.comment
-    except zipfile.BadZipFile as e:
-        raise CorruptCheckpointError(path, STRUCTURE, f"not a complete zip file (truncated?): {e}") from e
-    minfo = next((i for i in infos if i.filename.endswith("/" + RECORD_SUFFIX)), None)
-    if minfo is None:
+    With ``check_tail``, the tail's CRC-32C (zip comment) is checked before the manifest is
+    parsed. The manifest's records must match the zip's central directory exactly: one
+    record per entry, each at its entry's data offset with its entry's size, sorted and
+    disjoint, all before the manifest. Raises :class:`NotAFastPersistCheckpoint` for a zip
+    without a manifest and without FastPersist's tail mark, :class:`CorruptCheckpointError`
+    for everything else that does not fit.
+    """
+    path = cf.path
+    entries, comment, start_dir = cf.zip_directory()
+    found = [i for i in entries if i.filename.endswith("/" + RECORD_SUFFIX)]
+    if not found:
+        if comment.startswith(TAIL_COMMENT_PREFIX) or cf.carries_tail_mark():
+            raise CorruptCheckpointError(path, TAIL, "the file carries FastPersist's tail checksum but no manifest "
+                                         "record in its zip directory (the directory is damaged)")
         raise NotAFastPersistCheckpoint(f"{path} has no FastPersist manifest (written by another tool?)")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        head = _pread(fd, minfo.header_offset, 30)
-        if len(head) < 30 or struct.unpack_from("<I", head)[0] != 0x04034B50:
-            raise CorruptCheckpointError(path, TAIL, "manifest local header is damaged")
-        n, e = struct.unpack_from("<HH", head, 26)
-        data_offset = minfo.header_offset + 30 + n + e
-        if check_tail:
-            if not comment.startswith(TAIL_COMMENT_PREFIX) or len(comment) != len(TAIL_COMMENT_PREFIX) + 8:
-                raise CorruptCheckpointError(path, TAIL, f"zip comment {comment[:40]!r} is not a FastPersist tail checksum")
+    if len(found) > 1:
+        raise CorruptCheckpointError(path, TAIL, f"{len(found)} manifest records in the zip directory")
+    minfo = found[0]
+    if minfo.compress_type != zipfile.ZIP_STORED:
+        raise CorruptCheckpointError(path, TAIL, "the manifest record is compressed")
+    moff = cf.data_offset(minfo)
+    if moff + minfo.file_size != start_dir:
+        raise CorruptCheckpointError(path, TAIL, "the manifest record does not end where the zip directory begins")
+    if minfo.file_size > _MANIFEST_BYTES_PER_ENTRY * len(entries):
+        raise CorruptCheckpointError(path, TAIL, f"a {minfo.file_size}-byte manifest for {len(entries)} zip entries")
+    if check_tail:
+        if not comment.startswith(TAIL_COMMENT_PREFIX) or len(comment) != len(TAIL_COMMENT_PREFIX) + 8:
+            raise CorruptCheckpointError(path, TAIL, f"zip comment {comment[:40]!r} is not a FastPersist tail checksum")
+        try:
             want = int(comment[len(TAIL_COMMENT_PREFIX):], 16)
-            got = _native.crc32c(_pread(fd, minfo.header_offset, size - 8 - minfo.header_offset))
-            if got != want:
-                raise CorruptCheckpointError(path, TAIL, f"CRC-32C {got:08x}, expected {want:08x}")
-        raw = _pread(fd, data_offset, minfo.file_size)
-    finally:
-        os.close(fd)
+        except ValueError:
+            raise CorruptCheckpointError(path, TAIL, f"zip comment {comment!r} is not a FastPersist tail checksum") \
+                from None
+        got = cf.crc(minfo.header_offset, cf.size - 8 - minfo.header_offset)
+        if got != want:
+            raise CorruptCheckpointError(path, TAIL, f"CRC-32C {got:08x}, expected {want:08x}")
     try:
-        manifest = Manifest.from_bytes(raw)
-    except (ValueError, KeyError) as e:
-        raise CorruptCheckpointError(path, TAIL, f"manifest does not parse: {e}") from e
-    if manifest.file_size != size:
-        raise CorruptCheckpointError(path, STRUCTURE, f"file is {size} bytes, manifest says {manifest.file_size}")
-    return ManifestView(path, manifest, minfo.header_offset)
+        manifest = Manifest.from_bytes(cf.pread(moff, minfo.file_size), max_records=len(entries))
+    except ValueError as e:
+        raise CorruptCheckpointError(path, TAIL, f"manifest does not parse: {e}") from None
+    if manifest.file_size != cf.size:
+        raise CorruptCheckpointError(path, STRUCTURE, f"file is {cf.size} bytes, manifest says {manifest.file_size}")
+    _check_records(cf, manifest, entries, minfo)
+    return ManifestView(path, manifest, minfo.header_offset, entries)
 
 
-def record_crc(reader: _native.Reader, offset: int, size: int, scratch: np.ndarray) -> int:
+def _check_records(cf: CheckpointFile, m: Manifest, entries: list[zipfile.ZipInfo], minfo: zipfile.ZipInfo) -> None:
+    path = cf.path
+    by_name = {i.filename: i for i in entries if i is not minfo}
+    if len(by_name) != len(entries) - 1:
+        raise CorruptCheckpointError(path, STRUCTURE, "the zip directory names an entry twice")
+    names = [r.name for r in m.records]
+    if len(set(names)) != len(names) or set(names) != set(by_name):
+        missing, unknown = sorted(set(by_name) - set(names)), sorted(set(names) - set(by_name))
+        dup = len(names) - len(set(names))
+        raise CorruptCheckpointError(path, TAIL, "manifest records do not match the zip's entries: "
+                                     f"missing {missing[:3]}, unknown {unknown[:3]}, {dup} repeated")
+    end = 0
+    for r in m.records:
+        info = by_name[r.name]
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptCheckpointError(path, r.name, "the record is compressed", tensor=r.tensor)
+        if r.offset < end:
+            raise CorruptCheckpointError(path, TAIL, f"record {r.name} at byte {r.offset} overlaps or precedes the "
+                                         "record before it (records must be sorted and disjoint)")
+        off = cf.data_offset(info)
+        if (r.offset, r.size) != (off, info.file_size):
+            raise CorruptCheckpointError(path, TAIL, f"record {r.name}: the manifest says {r.size} bytes at byte "
+                                         f"{r.offset}, the zip directory {info.file_size} at byte {off}")
+        end = r.offset + r.size
+    if end > minfo.header_offset:
+        raise CorruptCheckpointError(path, TAIL, "records run into the manifest")
+
+
+def record_crc(reader: _NamedReader, offset: int, size: int, scratch: np.ndarray) -> int:
     crc, pos = 0, 0
     while pos < size:
         n = min(size - pos, scratch.nbytes)
@@ -84,20 +240,16 @@ def record_crc(reader: _native.Reader, offset: int, size: int, scratch: np.ndarr
     return crc
 
 
-def check_structure(view: ManifestView) -> None:
+def check_structure(cf: CheckpointFile, view: ManifestView) -> None:
     """Check the zip structure and the small records (pickle, version...) of a file."""
-    m, path = view.manifest, view.path
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        covered = [(r.offset, r.offset + r.size) for r in m.records]
-        got = structure_crc(covered, view.header_offset, lambda o, n: _pread(fd, o, n))
-        if got != m.structure_crc32c:
-            raise CorruptCheckpointError(path, STRUCTURE, f"CRC-32C {got:08x}, expected {m.structure_crc32c:08x}")
-        for r in m.records:
-            if r.kind == "record":
-                check_crc(path, r, _native.crc32c(_pread(fd, r.offset, r.size)))
-    finally:
-        os.close(fd)
+    m = view.manifest
+    covered = [(r.offset, r.offset + r.size) for r in m.records]
+    got = structure_crc(covered, view.header_offset, cf.pread)
+    if got != m.structure_crc32c:
+        raise CorruptCheckpointError(cf.path, STRUCTURE, f"CRC-32C {got:08x}, expected {m.structure_crc32c:08x}")
+    for r in m.records:
+        if r.kind == "record":
+            check_crc(cf.path, r, cf.crc(r.offset, r.size))
 
 
 def check_crc(path: str, record: RecordInfo, crc: int) -> None:
@@ -106,23 +258,31 @@ def check_crc(path: str, record: RecordInfo, crc: int) -> None:
                                      tensor=record.tensor)
 
 
+def check_storages(cf: CheckpointFile, view: ManifestView, records: list[RecordInfo] | None = None) -> None:
+    """Check the storage records (every one, or ``records``) with the native reader."""
+    scratch = np.empty(_CHUNK, dtype=np.uint8)
+    with cf.native_reader() as reader:
+        for r in view.manifest.records if records is None else records:
+            if r.kind == "storage":
+                check_crc(cf.path, r, record_crc(reader, r.offset, r.size, scratch) if r.size else 0)
+
+
 def verify(path: str | os.PathLike) -> dict:
     """Check every byte of ``path`` against its manifest.
 
     Returns a small report; raises :class:`CorruptCheckpointError` naming the first damaged
     record (and the tensor that uses it), or :class:`NotAFastPersistCheckpoint`.
     """
+    from . import remote
+
     t0 = time.perf_counter()
     is_url, path = remote.split(os.fspath(path))
     if is_url:
         return remote.verify(path)
-    view = read_manifest(path)
-    check_structure(view)
-    scratch = np.empty(_SCRATCH_BYTES, dtype=np.uint8)
-    with _native.Reader(path, direct=True) as reader:
-        for r in view.manifest.records:
-            if r.kind == "storage":
-                check_crc(path, r, record_crc(reader, r.offset, r.size, scratch) if r.size else 0)
+    with CheckpointFile(path) as cf:
+        view = read_manifest(cf)
+        check_structure(cf, view)
+        check_storages(cf, view)
     return {
         "path": path,
         "records": len(view.manifest.records),
@@ -133,12 +293,12 @@ def verify(path: str | os.PathLike) -> dict:
 
 def inspect(path: str | os.PathLike) -> list[dict]:
     """The records of a checkpoint: name, tensor, dtype, size, offset, checksum."""
-    path = os.fspath(path)
-    try:
-        m = read_manifest(path, check_tail=False).manifest
-    except NotAFastPersistCheckpoint:
-        with zipfile.ZipFile(path) as z:
-            return [{"name": i.filename, "size": i.file_size, "offset": i.header_offset} for i in z.infolist()]
+    with CheckpointFile(path) as cf:
+        try:
+            m = read_manifest(cf, check_tail=False).manifest
+        except NotAFastPersistCheckpoint:
+            return [{"name": i.filename, "size": i.file_size, "offset": i.header_offset}
+                    for i in cf.zip_directory()[0]]
     return [
         {"name": r.name, "kind": r.kind, "tensor": r.tensor, "dtype": r.dtype, "size": r.size,
          "offset": r.offset, "crc32c": f"{r.crc32c:08x}"}

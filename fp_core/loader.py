@@ -10,32 +10,39 @@ from __future__ import annotations
 
 import io
 import os
-import zipfile
 from typing import Any
 
 import numpy as np
 import torch
 
 from . import _native
-from .integrity import check_crc, check_structure, read_manifest, record_crc
+from .errors import CheckpointError, NotAFastPersistCheckpoint
+from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
 
 _NATIVE_MIN = 1 << 20  # reads below this size go through the page cache
 _MAX_HEADER_PAD = 4096  # FastPersist pads local headers to 4 KiB; stock torch.save to 64 B
 
 
 class FastReader(io.RawIOBase):
-    def __init__(self, path: str, verify: bool = False, threads: int = 4) -> None:
+    """A file object over an open :class:`CheckpointFile` for ``torch.load``.
+
+    With ``view`` (a checked manifest), each storage record is checked against its CRC-32C
+    as torch reads it.
+    """
+
+    def __init__(self, cf: CheckpointFile, view: ManifestView | None = None, threads: int = 4) -> None:
         super().__init__()
-        self.path = path
-        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        self._size = os.fstat(self._fd).st_size
+        self.cf = cf
+        self.path = cf.path
+        self._fd = cf.fd
+        self._size = cf.size
         self._pos = 0
         self._threads = threads
-        self._native = _native.Reader(path, direct=True)
+        self._native = cf.native_reader()
+        self._view = view
         self._records: dict[tuple[int, int], Any] = {}
         self._checked: set[str] = set()
-        if verify:
-            view = read_manifest(path)
+        if view is not None:
             self._records = {(r.offset, r.size): r for r in view.manifest.records if r.kind == "storage"}
         self._prefetch_small_reads()
 
@@ -48,9 +55,8 @@ class FastReader(io.RawIOBase):
         together. Large records are left out: they are read with O_DIRECT below.
         """
         try:
-            with zipfile.ZipFile(self.path) as z:
-                infos = z.infolist()
-        except (zipfile.BadZipFile, OSError):
+            infos = self._view.entries if self._view is not None else self.cf.zip_directory()[0]
+        except CheckpointError:
             return  # not a zip: torch.load will say so
         ranges = []
         for i in infos:
@@ -65,7 +71,8 @@ class FastReader(io.RawIOBase):
             else:
                 merged.append([lo, hi])
         for lo, hi in merged:
-            os.posix_fadvise(self._fd, lo, min(hi, self._size) - lo, os.POSIX_FADV_WILLNEED)
+            if lo < self._size:
+                os.posix_fadvise(self._fd, lo, min(hi, self._size) - lo, os.POSIX_FADV_WILLNEED)
 
     def readable(self) -> bool:
         return True
@@ -78,11 +85,14 @@ class FastReader(io.RawIOBase):
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence == io.SEEK_SET:
-            self._pos = offset
+            pos = offset
         elif whence == io.SEEK_CUR:
-            self._pos += offset
+            pos = self._pos + offset
         else:
-            self._pos = self._size + offset
+            pos = self._size + offset
+        if pos < 0:
+            raise OSError(22, f"seek to byte {pos} of {self.path}")
+        self._pos = pos
         return self._pos
 
     def readinto(self, b: Any) -> int:
@@ -103,52 +113,61 @@ class FastReader(io.RawIOBase):
         self._pos += n
         return n
 
-    def read(self, size: int = -1) -> bytes:
+    def read(self, size: int | None = -1) -> bytes:
         if size is None or size < 0:
             size = self._size - self._pos
-        buf = bytearray(size)
+        buf = bytearray(max(0, min(size, self._size - self._pos)))
         n = self.readinto(buf)
         return bytes(buf[:n])
 
     def check_unread(self) -> None:
         """Records torch.load never asked for are still checked, so verify=True covers all."""
-        scratch = np.empty(16 << 20, dtype=np.uint8)
-        for rec in self._records.values():
-            if rec.name not in self._checked and rec.size:
-                check_crc(self.path, rec, record_crc(self._native, rec.offset, rec.size, scratch))
+        if self._view is not None:
+            check_storages(self.cf, self._view, [r for r in self._records.values() if r.name not in self._checked])
 
     def close(self) -> None:
         if not self.closed:
-            os.close(self._fd)
             self._native.close()
         super().close()
 
 
 def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,
-         verify: bool = False, *, storage_options: dict | None = None, keep_local: bool = False) -> Any:
+         verify: bool | str = False, *, storage_options: dict | None = None, keep_local: bool = False) -> Any:
     """``torch.load`` of ``path`` through the fast reader.
 
     ``verify=True`` checks every byte against the manifest (raising
     :class:`CorruptCheckpointError` naming the damaged record) while loading; storages
     are checked as they are read, so this costs a fraction of a separate ``verify``.
-    Files written by other tools load too (without verification).
+    ``verify="auto"`` does the same when the file has a manifest and loads a file
+    written by another tool unchecked (``verify=True`` raises
+    :class:`NotAFastPersistCheckpoint` for it). The file is opened once: the check and the
+    load read the same file even if its name is replaced meanwhile.
 
     A remote fsspec URL is fetched into local staging (or found in the ``keep_local``
     cache) and loaded from there; ``storage_options`` go to fsspec. See :mod:`fp_core.remote`.
     """
     from . import remote
 
+    if verify not in (True, False, "auto"):
+        raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
     is_remote, path = remote.split(path)
     if is_remote:
         return remote.load(path, map_location=map_location, weights_only=weights_only, verify=verify,
                            storage_options=storage_options, keep_local=keep_local)
-    if verify:
-        # Tail, structure and small records first: a damaged header must not reach
-        # the unpickler. Storages are checked during the load below.
-        check_structure(read_manifest(path))
-    with FastReader(path, verify=verify) as f:
-        obj = torch.load(f, map_location=map_location, weights_only=weights_only)
+    with CheckpointFile(path) as cf:
+        view = None
         if verify:
+            try:
+                view = read_manifest(cf)
+            except NotAFastPersistCheckpoint:
+                if verify is True:
+                    raise
+            if view is not None:
+                # Tail, structure and small records first: a damaged header must not
+                # reach the unpickler. Storages are checked during the load below.
+                check_structure(cf, view)
+        with FastReader(cf, view) as f:
+            obj = torch.load(f, map_location=map_location, weights_only=weights_only)
             f.check_unread()
     return obj
 

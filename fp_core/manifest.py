@@ -90,24 +90,66 @@ class Manifest:
         return len(widest.to_bytes())
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> Manifest:
-        doc = json.loads(data.decode())
+    def from_bytes(cls, data: bytes, max_records: int | None = None) -> Manifest:
+        """Parse a manifest, checking every field's type and range.
+
+        The bytes come from a file, so they are untrusted: anything but the exact shape
+        :meth:`to_bytes` writes raises ``ValueError`` saying which field is wrong (never a
+        ``KeyError``/``TypeError`` from deep inside, never unbounded work).
+        ``max_records``: at most this many records (the zip's own entry count).
+        """
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise ValueError(f"not JSON: {e}") from None
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
         if doc.get("format") != FORMAT:
-            raise ValueError(f"unknown manifest format {doc.get('format')!r}")
-        return cls(
-            file_size=int(doc["file_size"]),
-            alignment=int(doc["alignment"]),
-            structure_crc32c=int(doc["structure_crc32c"], 16),
-            records=[
-                RecordInfo(
-                    name=r["name"],
-                    offset=int(r["offset"]),
-                    size=int(r["size"]),
-                    crc32c=int(r["crc32c"], 16),
-                    tensor=r.get("tensor"),
-                    dtype=r.get("dtype"),
-                    kind=r.get("kind", "storage"),
-                )
-                for r in doc["records"]
-            ],
-        )
+            raise ValueError(f"unknown manifest format {_short(doc.get('format'))}")
+        if doc.get("checksum", "crc32c") != "crc32c":
+            raise ValueError(f"unknown checksum {_short(doc.get('checksum'))}")
+        alignment = _int(doc, "alignment", "manifest")
+        if alignment < 1 or alignment & (alignment - 1) or alignment > 1 << 30:
+            raise ValueError(f"alignment {alignment} is not a power of two up to 1 GiB")
+        raw = doc.get("records")
+        if not isinstance(raw, list):
+            raise ValueError("'records' is not a list")
+        if max_records is not None and len(raw) > max_records:
+            raise ValueError(f"{len(raw)} records, more than the file's {max_records} zip entries")
+        records = []
+        for i, r in enumerate(raw):
+            where = f"record {i}"
+            if not isinstance(r, dict):
+                raise ValueError(f"{where} is not an object")
+            name = r.get("name")
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"{where} has no name")
+            kind = r.get("kind", "storage")
+            if kind not in ("storage", "record"):
+                raise ValueError(f"{where} ({name}) has the unknown kind {_short(kind)}")
+            tensor, dtype = r.get("tensor"), r.get("dtype")
+            if not (tensor is None or isinstance(tensor, str)) or not (dtype is None or isinstance(dtype, str)):
+                raise ValueError(f"{where} ({name}) has a non-string tensor name or dtype")
+            records.append(RecordInfo(name=name, offset=_int(r, "offset", where), size=_int(r, "size", where),
+                                      crc32c=_hex32(r, "crc32c", where), tensor=tensor, dtype=dtype, kind=kind))
+        return cls(file_size=_int(doc, "file_size", "manifest"), alignment=alignment,
+                   structure_crc32c=_hex32(doc, "structure_crc32c", "manifest"), records=records)
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(doc: dict, key: str, where: str) -> int:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 62:
+        raise ValueError(f"{where}: {key} is {_short(v)}, not a non-negative integer")
+    return v
+
+
+def _hex32(doc: dict, key: str, where: str) -> int:
+    v = doc.get(key)
+    if not isinstance(v, str) or len(v) != 8 or any(c not in "0123456789abcdefABCDEF" for c in v):
+        raise ValueError(f"{where}: {key} is {_short(v)}, not 8 hex digits")
+    return int(v, 16)

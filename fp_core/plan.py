@@ -226,12 +226,16 @@ def _checksum_skeleton_records(plan: FilePlan) -> None:
     )
 
 
-def structure_crc(covered: list[tuple[int, int]], end: int, pread: Any) -> int:
-    """CRC-32C of every byte in [0, end) outside the record data ranges ``covered``."""
+def structure_crc(covered: list[tuple[int, int]], end: int, pread: Any, chunk: int = 16 << 20) -> int:
+    """CRC-32C of every byte in [0, end) outside the record data ranges ``covered``
+    (read ``chunk`` bytes at a time: a file's gaps can be large when it is not ours)."""
     crc, pos = 0, 0
     for lo, hi in sorted(covered) + [(end, end)]:
-        if lo > pos:
-            crc = _native.crc32c(pread(pos, min(lo, end) - pos), crc)
+        stop = min(lo, end)
+        while pos < stop:
+            n = min(stop - pos, chunk)
+            crc = _native.crc32c(pread(pos, n), crc)
+            pos += n
         pos = max(pos, hi)
         if pos >= end:
             break

@@ -309,12 +309,10 @@ class _FastPersistIOImpl:
         return self._load(p, map_location, weights_only)
 
     def _load(self, p: str, map_location: Any, weights_only: bool | None, **remote: Any) -> dict[str, Any]:
-        if self.verify:
-            try:  # a damaged FastPersist checkpoint is refused, naming the record and tensor
-                return fp_core.load(p, map_location=map_location, weights_only=weights_only, verify=True, **remote)
-            except fp_core.NotAFastPersistCheckpoint:
-                pass  # written by another tool (stock Lightning): nothing to check it against
-        return fp_core.load(p, map_location=map_location, weights_only=weights_only, **remote)
+        # "auto": a damaged FastPersist checkpoint is refused, naming the record and tensor;
+        # a file written by another tool (stock Lightning) has nothing to check against.
+        return fp_core.load(p, map_location=map_location, weights_only=weights_only,
+                            verify="auto" if self.verify else False, **remote)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` after every pending save (never under a write); silent if missing."""

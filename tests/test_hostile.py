@@ -253,3 +253,226 @@ def test_local_path_with_double_colon_is_local(tmp_path):
 ])
 def test_split_is_remote_only_for_a_leading_protocol(path, expected):
     assert remote.split(path) == expected
+
+
+# ---------------------------------------------------------------- 5, 6. crafted and damaged files
+
+
+def _manifest_entry(path: str):
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return next(i for i in z.infolist() if i.filename.endswith(".fastpersist/manifest.json"))
+
+
+def _restamp_tail(path: str) -> None:
+    """Re-stamp the tail CRC-32C in the zip comment, as anyone editing a file can."""
+    from fp_core import _native
+
+    info = _manifest_entry(path)
+    data = open(path, "rb").read()
+    crc = _native.crc32c(data[info.header_offset: len(data) - 8])
+    with open(path, "r+b") as f:
+        f.seek(len(data) - 8)
+        f.write(f"{crc:08x}".encode())
+
+
+def _rewrite_manifest(path: str, edit) -> None:
+    """Replace the manifest JSON by ``edit(doc)`` (bytes or a JSON document) in place,
+    padded to the reserved length, and re-stamp the tail checksum."""
+    import struct
+
+    info = _manifest_entry(path)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset)
+        head = f.read(30)
+        n, e = struct.unpack_from("<HH", head, 26)
+        off = info.header_offset + 30 + n + e
+        f.seek(off)
+        doc = json.loads(f.read(info.file_size))
+        new = edit(doc)
+        raw = new if isinstance(new, bytes) else json.dumps(new, separators=(",", ":")).encode()
+        assert len(raw) <= info.file_size, (len(raw), info.file_size)
+        f.seek(off)
+        f.write(raw + b" " * (info.file_size - len(raw)))
+    _restamp_tail(path)
+
+
+def _many_tensors(n: int = 40) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {f"layer{i}.weight": torch.randn(64 + i, generator=g) for i in range(n)}
+
+
+def _first_storage(doc):
+    return next(r for r in doc["records"] if r["kind"] == "storage")
+
+
+def _set(rec, **kw):
+    rec.update(kw)
+
+
+def _unnamed(doc):
+    """Drop the tensor names, to make room in the reserved space for wider numbers."""
+    for r in doc["records"]:
+        r.pop("tensor", None)
+    return doc
+
+
+CRAFTED = {
+    "not json": lambda doc: b"\x00\xff{not json",
+    "a list": lambda doc: [1, 2, 3],
+    "no records": lambda doc: {k: v for k, v in doc.items() if k != "records"},
+    "records not a list": lambda doc: dict(doc, records={"a": 1}),
+    "size -1 with crc 0": lambda doc: (_set(_first_storage(doc), size=-1, crc32c="00000000"), doc)[1],
+    "offset a string": lambda doc: (_set(_first_storage(doc), offset=str(_first_storage(doc)["offset"])), doc)[1],
+    "offset 2**70": lambda doc: (_set(_first_storage(doc), offset=2**70), _unnamed(doc))[1],
+    "size past the end": lambda doc: (_set(_first_storage(doc), size=10**12), doc)[1],
+    "crc not hex": lambda doc: (_set(_first_storage(doc), crc32c="zzzzzzzz"), doc)[1],
+    "record a string": lambda doc: dict(doc, records=["x"] + doc["records"][1:]),
+    "unknown kind": lambda doc: (_set(_first_storage(doc), kind="weird"), doc)[1],
+    "file_size a float": lambda doc: dict(doc, file_size=float(doc["file_size"])),
+    "alignment 3": lambda doc: dict(doc, alignment=3),
+    "unknown record name": lambda doc: (_set(_first_storage(doc), name="archive/data/9999"), doc)[1],
+    "every record one tensor": lambda doc: dict(
+        doc, records=[dict(_first_storage(doc), tensor=None)] * len(doc["records"])),
+    "records out of order": lambda doc: dict(doc, records=list(reversed(doc["records"]))),
+    "deep nesting": lambda doc: b"[" * 1500 + b"]" * 1500,
+}
+
+
+def _lightning_io():
+    lightning = pytest.importorskip("fp_integrations.lightning")
+    return lightning.FastPersistIO()
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_crafted_manifest_is_a_corrupt_checkpoint_everywhere(tmp_path, case):
+    from fp_core import cli
+
+    path = str(tmp_path / "crafted.pt")
+    fp_core.save(_many_tensors(), path)
+    good = str(tmp_path / "good.pt")
+    fp_core.save(_many_tensors(), good)
+    try:
+        _rewrite_manifest(path, CRAFTED[case])
+    except AssertionError:
+        pytest.skip("the crafted manifest does not fit the reserved space")
+    with pytest.raises(CorruptCheckpointError) as ei:
+        fp_core.verify(path)
+    assert ei.value.path == path
+    with pytest.raises(CorruptCheckpointError):
+        fp_core.load(path, verify=True)
+    with pytest.raises(CorruptCheckpointError):
+        _lightning_io().load_checkpoint(path)
+    assert cli.main(["verify", path, good]) == 1  # reports the bad file and still checks the next
+
+
+def test_cli_verify_reports_and_continues(tmp_path, capsys):
+    from fp_core import cli
+
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"PK\x03\x04" + b"\x00" * 100)
+    good = str(tmp_path / "good.pt")
+    fp_core.save(small_state(), good)
+    assert cli.main(["verify", str(bad), str(tmp_path / "missing.pt"), good]) != 0
+    out = capsys.readouterr()
+    assert f"OK   {good}" in out.out and str(bad) in out.err and "missing.pt" in out.err
+
+
+def test_huge_manifest_entry_size_is_corrupt_not_memory_error(tmp_path):
+    import struct
+
+    path = str(tmp_path / "c.pt")
+    fp_core.save(small_state(), path)
+    info = _manifest_entry(path)
+    data = bytearray(open(path, "rb").read())
+    name = info.filename.encode()
+    cd = data.index(b"PK\x01\x02" + bytes(data[data.index(b"PK\x01\x02") + 4:][:0]), 0)
+    while not data[cd + 46: cd + 46 + len(name)] == name:  # the manifest's central directory entry
+        cd = data.index(b"PK\x01\x02", cd + 4)
+    struct.pack_into("<II", data, cd + 20, 2**32 - 2, 2**32 - 2)  # compressed and uncompressed size
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CorruptCheckpointError):
+        fp_core.verify(path)
+
+
+def test_bit_flip_in_the_manifest_name_does_not_switch_verification_off(tmp_path):
+    path = str(tmp_path / "c.pt")
+    fp_core.save(small_state(2), path)
+    data = bytearray(open(path, "rb").read())
+    cd = data.rindex(b".fastpersist/manifest.json")  # the central directory's copy of the name
+    data[cd + len(".fastpersist/manifes")] ^= 0x01  # manifest.json -> manifesu.json
+    w = data.index(b"\x00" * 0) + data.find(torch.arange(4096, dtype=torch.float32).add(2).numpy().tobytes()[:64])
+    data[w + 16] ^= 0x40  # and a damaged tensor, which a switched-off check would return
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="no manifest"):
+        fp_core.verify(path)
+    with pytest.raises(CorruptCheckpointError):
+        _lightning_io().load_checkpoint(path)
+    with pytest.raises(CorruptCheckpointError):
+        fp_core.load(path, verify="auto")
+    hf = pytest.importorskip("fp_integrations.hf")
+    ckdir = tmp_path / "checkpoint-3"
+    ckdir.mkdir()
+    os.replace(path, ckdir / "optimizer.pt")
+    with pytest.raises(CorruptCheckpointError):
+        hf.verify_checkpoint_dir(str(ckdir))
+
+
+@pytest.mark.parametrize("header", [b"\x00\x00\x00\x00\x00\x01\x00\x00", b"\x10\x00\x00\x00\x00\x00\x00\x00"])
+def test_hf_safetensors_header_is_checked_without_trusting_it(tmp_path, header):
+    hf = pytest.importorskip("fp_integrations.hf")
+    d = tmp_path / "checkpoint-1"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(header + b"{not json}" + b"\x00" * 64)
+    with pytest.raises(CorruptCheckpointError) as ei:
+        hf.verify_checkpoint_dir(str(d))
+    assert ei.value.path == str(d / "model.safetensors")
+
+
+# ---------------------------------------------------------------- 4. one descriptor per check
+
+
+REPLACER = r"""
+import os, shutil, sys, time
+src_a, src_b, target, stop = sys.argv[1:5]
+i = 0
+while not os.path.exists(stop):
+    tmp = f"{target}.tmp{i % 2}"
+    shutil.copyfile(src_a if i % 2 else src_b, tmp)
+    os.replace(tmp, target)
+    i += 1
+print(i)
+"""
+
+
+def test_check_reads_one_file_while_its_name_is_replaced(tmp_path):
+    """Another process keeps replacing last.ckpt atomically with one of two different whole
+    checkpoints: every verify / verified load must see one whole file, never call it corrupt."""
+    import subprocess
+    import sys
+
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    fp_core.save({"state": _many_tensors(60), "epoch": 1}, a)
+    fp_core.save({"state": {k: v[:10] for k, v in _many_tensors(90).items()}, "epoch": 2}, b)
+    target, stop = str(tmp_path / "last.ckpt"), str(tmp_path / "stop")
+    shutil.copyfile(a, target)
+    proc = subprocess.Popen([sys.executable, "-c", REPLACER, a, b, target, stop], stdout=subprocess.PIPE, text=True)
+    io = _lightning_io()
+    corrupt, epochs = 0, set()
+    try:
+        for _ in range(80):
+            for fn in (fp_core.verify, lambda p: fp_core.load(p, verify=True), io.load_checkpoint):
+                try:
+                    out = fn(target)
+                except CorruptCheckpointError:
+                    corrupt += 1
+                else:
+                    if isinstance(out, dict) and "epoch" in out:
+                        epochs.add(out["epoch"])
+    finally:
+        open(stop, "w").close()
+        replaced = int(proc.communicate(timeout=60)[0])
+    assert replaced > 50, "the replacing process did not keep up"
+    assert corrupt == 0
+    assert epochs == {1, 2}
