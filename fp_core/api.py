@@ -26,11 +26,11 @@ MIN_ALIGNMENT = 4096
 FORMATS = ("torch", "safetensors")
 
 
-def rename_os_error(e: OSError, final: str, tmp: str) -> OSError:
-    """An OSError from writing the temp file, re-stated against the checkpoint's own path."""
+def rename_os_error(e: OSError, final: str) -> OSError:
+    """An OSError from writing the temporary file, re-stated against the checkpoint's own path."""
     if e.errno is None:
         return e
-    return OSError(e.errno, f"{e.strerror} (writing checkpoint {final} via temporary file {os.path.basename(tmp)})", final)
+    return OSError(e.errno, f"{e.strerror} (writing checkpoint {final})", final)
 
 
 class PreparedSave:
@@ -47,16 +47,16 @@ class PreparedSave:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
         self.options = options
         self.final = commit.check_target(os.fspath(path))
-        commit.clean(os.path.dirname(self.final))  # orphans of crashed saves into this directory
-        self.tmp = commit.temp_path(self.final)
+        commit.clean_in_background(os.path.dirname(self.final))  # leftovers of crashed saves, once
         self.stats = SaveStats(path=self.final)
+        file_mode = 0o666 if mode is None else mode
         try:
-            self.engine = open_engine(self.tmp, options, create=True)
+            self.temp = commit.TempFile(self.final, lambda p, tmpfile: open_engine(
+                p, options, create=True, tmpfile=tmpfile, mode=file_mode))
         except OSError as e:
-            raise rename_os_error(e, self.final, self.tmp) from e
+            raise rename_os_error(e, self.final) from e
+        self.engine = self.temp.engine
         try:
-            if mode is not None:
-                os.fchmod(self.engine.fileno(), mode)
             alignment = max(MIN_ALIGNMENT, self.engine.alignment)
             try:
                 if format == "torch":
@@ -88,8 +88,8 @@ class PreparedSave:
                 self.publish()
         except BaseException as e:
             self.abort()
-            if isinstance(e, OSError) and getattr(e, "filename", None) == self.tmp:
-                raise rename_os_error(e, self.final, self.tmp) from e
+            if isinstance(e, OSError) and getattr(e, "filename", None) in (self.temp.engine_path, self.temp.name):
+                raise rename_os_error(e, self.final) from e
             raise
         st = self.stats
         st.sync_seconds = time.perf_counter() - t_sync
@@ -103,11 +103,10 @@ class PreparedSave:
         return st
 
     def publish(self) -> None:
-        commit.publish(self.tmp, self.final)
+        self.temp.publish()
 
     def abort(self) -> None:
-        self.engine.close()
-        commit.discard(self.tmp)
+        self.temp.abort()
 
 
 def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: dict[str, str] | None = None,

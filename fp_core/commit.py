@@ -1,31 +1,52 @@
-"""Atomic, durable commit: temp name in the same directory, fdatasync, rename, fsync(dir).
+"""Atomic, durable commit: write aside, fdatasync, rename over the final name, fsync(dir).
 
-A crash at any instant leaves the previous checkpoint under the final name and, at most,
-a temporary file. Temporary names start with a dot and end in ``.fptmp`` so neither
-Lightning (``*.ckpt``) nor the HF Trainer (``checkpoint-*``) ever lists one, and they
-carry the writer's host and pid so that the next save into the directory (or
-``fastpersist clean DIR``) can tell an orphan from a save still in progress.
+A crash at any instant leaves the previous checkpoint under the final name and nothing
+else: the file is written as an unnamed inode (``O_TMPFILE``) and linked into the
+directory only just before the rename, so a save in progress never shows in a listing and
+a killed one leaves no file behind. Where the filesystem refuses ``O_TMPFILE`` the file is
+written under a temporary name instead: it starts with a dot and ends in ``.fptmp`` so
+neither Lightning (``*.ckpt``) nor the HF Trainer (``checkpoint-*``) lists it, and carries
+the writer's host.
+
+Whether a temporary file (or a pending-save placeholder) still has a writer is told by a
+lock, not by a process id: the writer holds an ``flock`` on it for as long as it lives,
+and the kernel drops it when the process dies, whatever container or pid namespace it ran
+in. :func:`clean` removes only files named exactly as we name them, regular files, that
+nobody holds; files of another host are not ours to judge. It runs once per directory per
+process, off the caller's thread (:func:`clean_in_background`), so a directory of many
+files costs the training loop nothing.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
+import re
 import socket
 import stat
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("fastpersist")
 
 TMP_SUFFIX = ".fptmp"
-_HOST = socket.gethostname().replace(".", "_").replace("-", "_")
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
+# .<final name>.<host>-<pid>-<8 hex>.fptmp, exactly as temp_path() makes them
+_TEMP_RE = re.compile(r"^\.(?P<base>.+)\.(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-[0-9a-f]{8}\.fptmp$")
 
 
 def temp_path(final: str) -> str:
     d, base = os.path.split(os.path.abspath(final))
     return os.path.join(d, f".{base}.{writer_tag()}-{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+
+
+def writer_tag() -> str:
+    """``host-pid``: who is writing, as embedded in temp names, placeholders, staging dirs."""
+    return f"{_HOST}-{os.getpid()}"
 
 
 def fsync_dir(directory: str) -> None:
@@ -34,6 +55,56 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def hold(fd: int) -> int:
+    """A duplicate of ``fd`` holding an exclusive ``flock`` on its file: while it is open,
+    :func:`clean` in any process leaves the file alone. Close it to let go."""
+    dup = os.dup(fd)
+    try:
+        fcntl.flock(dup, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(dup)
+        raise
+    return dup
+
+
+def _held(path: str) -> bool:
+    """Does a live process hold ``path`` (see :func:`hold`)? Not followed through a symlink."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return True  # cannot tell: leave it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True  # no locks on this filesystem: cannot tell
+    finally:
+        os.close(fd)
+    return False
+
+
+def link_fd(fd: int, name: str) -> None:
+    """Give the unnamed file open as ``fd`` (``O_TMPFILE``) the name ``name``.
+
+    ``linkat(AT_SYMLINK_FOLLOW)`` of ``/proc/self/fd/N``: CPython calls ``linkat`` only with
+    a ``dir_fd`` (plain ``link(2)`` does not follow the magic link and fails with EXDEV).
+    """
+    proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(str(fd), name, src_dir_fd=proc, follow_symlinks=True)
+    finally:
+        os.close(proc)
 
 
 def publish(tmp: str, final: str) -> None:
@@ -49,6 +120,90 @@ def discard(tmp: str) -> None:
         pass
     except OSError as e:  # never mask the error that made us discard
         log.warning("fastpersist: could not remove temporary file %s: %s", tmp, e)
+
+
+# O_TMPFILE support by device, probed once per device (an open and a close).
+_TMPFILE_OK: dict[int, bool] = {}
+_TMPFILE_UNSUPPORTED = (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL)
+
+
+def tmpfile_supported(directory: str) -> bool:
+    """Can unnamed files (``O_TMPFILE``) be made in ``directory``'s filesystem?"""
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return False  # the named path says what is wrong with the directory
+    if dev not in _TMPFILE_OK:
+        try:
+            os.close(os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+        except OSError as e:
+            if e.errno not in _TMPFILE_UNSUPPORTED:
+                return False  # not a verdict on the filesystem (permissions...): ask again next time
+            _TMPFILE_OK[dev] = False
+        else:
+            _TMPFILE_OK[dev] = True
+    return _TMPFILE_OK[dev]
+
+
+class TempFile:
+    """Where one checkpoint is written before :meth:`publish` puts it under its final name.
+
+    ``open_engine(path, tmpfile)`` opens the native engine on it: an unnamed file in the
+    final name's directory where the filesystem allows, else the named file :attr:`name`.
+    Either way this object holds it (``flock``) until published or aborted.
+    """
+
+    def __init__(self, final: str, open_engine: Any) -> None:
+        self.final = final
+        self.unnamed = tmpfile_supported(os.path.dirname(final))
+        for _ in range(8):
+            self.name = temp_path(final)
+            self.engine = open_engine(os.path.dirname(final) if self.unnamed else self.name, self.unnamed)
+            try:
+                self._held: int | None = hold(self.engine.fileno())
+                # A named file is visible before it is held: a clean-up elsewhere may have
+                # taken it for an orphan in between and removed it. Then start over.
+                if self.unnamed or os.fstat(self._held).st_nlink > 0:
+                    return
+                os.close(self._held)
+            except BlockingIOError:  # a clean-up holds it right now, about to remove it
+                pass
+            except BaseException:
+                self.engine.close()
+                if not self.unnamed:
+                    discard(self.name)
+                raise
+            self.engine.close()
+        raise OSError(errno.EAGAIN, "could not create a temporary file that stays (something keeps removing "
+                      "them)", os.path.dirname(final))
+
+    @property
+    def engine_path(self) -> str:
+        """The path the engine's errors name (the directory of an unnamed file)."""
+        return os.path.dirname(self.final) if self.unnamed else self.name
+
+    def publish(self) -> None:
+        """Link (unnamed) and rename the finished file over the final name, durably."""
+        if self.unnamed:
+            link_fd(self._held, self.name)
+        try:
+            publish(self.name, self.final)
+        except BaseException:
+            discard(self.name)
+            raise
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        self.engine.close()
+        if not self.unnamed or os.path.lexists(self.name):
+            discard(self.name)
+        self._release()
+
+    def _release(self) -> None:
+        if self._held is not None:
+            os.close(self._held)
+            self._held = None
 
 
 def check_target(final: str) -> str:
@@ -77,63 +232,39 @@ def check_target(final: str) -> str:
     return path
 
 
-def writer_tag() -> str:
-    """``host-pid``: who is writing, as embedded in temp names, placeholders, staging dirs."""
-    return f"{_HOST}-{os.getpid()}"
-
-
-def tag_alive(tag: str) -> bool:
-    """Is the writer named by a ``host-pid-...`` tag alive? Unparsable tags count as dead."""
-    try:
-        host, pid, _ = tag.rsplit("-", 2)
-        pid_i = int(pid)
-    except ValueError:
-        return False
-    if host != _HOST:
-        return True  # another node's writer on a shared filesystem: not ours to judge
-    if pid_i == os.getpid():
-        return True
-    try:
-        os.kill(pid_i, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _owner_alive(name: str) -> bool:
-    """Is the process that owns this temp name (``.<base>.<host>-<pid>-<hex>.fptmp``) alive?"""
-    try:
-        return tag_alive(name[: -len(TMP_SUFFIX)].rsplit(".", 1)[1])
-    except IndexError:
-        return False
-
+# ---------------------------------------------------------------- pending-save placeholders
 
 PLACEHOLDER_XATTR = "user.fastpersist.pending"
 
 
-def claim(final: str) -> bool:
+def claim(final: str) -> int | None:
     """Make a pending checkpoint's final name exist now, as a marked empty placeholder.
 
     Frameworks decide names by asking whether a file exists (Lightning's ``-v1`` counter),
     so a save still in flight must be visible. The placeholder carries an extended
-    attribute naming its writer: ``clean`` (run by every save into the directory) removes
-    it if that writer died, and loaders can tell it from a checkpoint. Returns False, and
-    creates nothing, when the name exists or the filesystem has no user xattrs.
+    attribute naming its writer and is held (``flock``) through the returned descriptor:
+    close it (:func:`settle`) once the save is over. :func:`clean` removes a placeholder
+    nobody holds (its writer died); loaders can tell it from a checkpoint. Returns None,
+    and creates nothing, when the name exists or the filesystem has no user xattrs.
     """
     try:
         fd = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
     except FileExistsError:
-        return False
+        return None
     try:
         os.setxattr(fd, PLACEHOLDER_XATTR, f"{writer_tag()}-0".encode())
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         os.unlink(final)
-        return False
-    os.close(fd)
-    return True
+        return None
+    return fd
+
+
+def settle(fd: int | None) -> None:
+    """Let go of a placeholder's lock (its save is over, committed or released)."""
+    if fd is not None:
+        os.close(fd)
 
 
 def placeholder_owner(path: str) -> str | None:
@@ -141,7 +272,7 @@ def placeholder_owner(path: str) -> str | None:
     try:
         if os.path.islink(path) or os.path.getsize(path) != 0:
             return None
-        return os.getxattr(path, PLACEHOLDER_XATTR).decode()
+        return os.getxattr(path, PLACEHOLDER_XATTR, follow_symlinks=False).decode(errors="replace")
     except OSError:
         return None
 
@@ -150,10 +281,39 @@ def is_placeholder(path: str) -> bool:
     return placeholder_owner(path) is not None
 
 
-def release(final: str) -> None:
+def release(final: str, fd: int | None = None) -> None:
     """Remove our own placeholder (the save failed); a finished file is left alone."""
-    if placeholder_owner(final) is not None:
-        discard(final)
+    try:
+        if placeholder_owner(final) is not None:
+            discard(final)
+    finally:
+        settle(fd)
+
+
+# ---------------------------------------------------------------- clean-up of crashed saves
+
+
+def _ours_to_judge(host: str) -> bool:
+    return host == _HOST  # another node's writer on a shared filesystem: not ours to judge
+
+
+def stale_temps(directory: str) -> list[str]:
+    """Temporary files in ``directory`` (exactly as :func:`temp_path` names them, regular
+    files, of this host) that no live writer holds."""
+    out = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for e in entries:
+        m = _TEMP_RE.match(e.name)
+        try:
+            regular = m is not None and e.is_file(follow_symlinks=False)
+        except OSError:
+            continue
+        if regular and _ours_to_judge(m.group("host")) and not _held(e.path):
+            out.append(e.path)
+    return out
 
 
 def _stale_placeholders(directory: str) -> list[str]:
@@ -169,32 +329,57 @@ def _stale_placeholders(directory: str) -> list[str]:
         except OSError:
             continue
         owner = placeholder_owner(e.path)
-        if owner is not None and not tag_alive(owner):
+        if owner is not None and _ours_to_judge(owner.split("-", 1)[0]) and not _held(e.path):
             out.append(e.path)
     return out
 
 
-def stale_temps(directory: str) -> list[str]:
-    """Temp files in ``directory`` whose writer is gone."""
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    return [
-        os.path.join(directory, n)
-        for n in names
-        if n.startswith(".") and n.endswith(TMP_SUFFIX) and not _owner_alive(n)
-    ]
-
-
 def clean(directory: str | Path, recursive: bool = False) -> list[str]:
-    """Remove orphaned temp files and placeholders of crashed saves. Returns what was removed."""
+    """Remove temp files and placeholders of crashed saves. Returns what was removed."""
     removed = []
     dirs = [str(directory)]
     if recursive:
         dirs = [root for root, _, _ in os.walk(directory)]
     for d in dirs:
         for p in stale_temps(d) + _stale_placeholders(d):
-            discard(p)
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("fastpersist: could not remove %s left by a crashed save: %s", p, e)
+                continue
             removed.append(p)
     return removed
+
+
+_cleaning: dict[str, threading.Thread] = {}
+_cleaning_lock = threading.Lock()
+
+
+def clean_in_background(directory: str) -> None:
+    """:func:`clean` ``directory`` once per process, on a thread of its own."""
+    d = os.path.abspath(directory)
+    with _cleaning_lock:
+        if d in _cleaning:
+            return
+        t = threading.Thread(target=_clean_quietly, args=(d,), name="fastpersist-clean", daemon=True)
+        _cleaning[d] = t
+    t.start()
+
+
+def _clean_quietly(directory: str) -> None:
+    try:
+        for p in clean(directory):
+            log.info("fastpersist: removed %s, left by a crashed save", p)
+    except Exception as e:  # noqa: BLE001 - housekeeping: never the save's failure
+        log.warning("fastpersist: cleaning %s failed: %s", directory, e)
+
+
+def wait_for_clean(directory: str | None = None) -> None:
+    """Block until the background clean-up of ``directory`` (or of every directory) ended."""
+    with _cleaning_lock:
+        threads = list(_cleaning.values()) if directory is None else \
+            [t for t in [_cleaning.get(os.path.abspath(directory))] if t is not None]
+    for t in threads:
+        t.join()

@@ -48,11 +48,16 @@ class EngineOptions:
         return (self.queue_depth + self.copy_threads) * self.chunk_bytes
 
 
-def open_engine(path: str, options: EngineOptions, create: bool = True) -> _native.Engine:
+def open_engine(path: str, options: EngineOptions, create: bool = True, tmpfile: bool = False,
+                mode: int = 0o666) -> _native.Engine:
+    """The native engine on ``path`` (with ``tmpfile``: an unnamed new file in the directory
+    ``path``; see :class:`fp_core.commit.TempFile`)."""
     eng = _native.Engine(
         path,
         backend=options.backend,
         create=create,
+        tmpfile=tmpfile,
+        mode=mode,
         queue_depth=options.queue_depth,
         chunk_bytes=options.chunk_bytes,
         copy_threads=options.copy_threads,

@@ -166,7 +166,7 @@ def _remove_path(path: str) -> None:
 class _Pending:
     __slots__ = ("handle", "placeholder", "call_seconds")
 
-    def __init__(self, handle: Any, placeholder: bool) -> None:
+    def __init__(self, handle: Any, placeholder: int | None) -> None:
         self.handle = handle
         self.placeholder = placeholder
         self.call_seconds = 0.0
@@ -483,7 +483,7 @@ class _FastPersistIOImpl:
             self._on_commit(path, stats)
             return None
         ckpt = self._checkpointer()
-        placeholder = False
+        placeholder: int | None = None  # the placeholder's lock, held until the save is over
         # no placeholder for a remote path: an empty object would look like a complete checkpoint
         if self.visible_pending and not blocking and not is_remote and not os.path.lexists(path):
             placeholder = fp_commit.claim(path)
@@ -496,8 +496,8 @@ class _FastPersistIOImpl:
                 self._warn(e, "background checkpoint")
                 handle = ckpt.save(checkpoint, path, on_commit=self._on_commit, **remote_kw)
         except BaseException:
-            if placeholder:
-                self._drop_placeholder(path)
+            if placeholder is not None:
+                fp_commit.release(path, placeholder)
             raise
         entry = _Pending(handle, placeholder)
         self._pending.setdefault(path, []).append(entry)
@@ -518,16 +518,16 @@ class _FastPersistIOImpl:
             entries = self._pending[path]
             keep = [e for e in entries if not e.handle.done()]
             for e in entries:
-                if e.handle.done() and e.placeholder and e.handle.exception() is not None and not keep:
-                    self._drop_placeholder(path)
+                if e.handle.done() and e.placeholder is not None:
+                    if e.handle.exception() is not None and not keep:
+                        fp_commit.release(path, e.placeholder)  # a failed save leaves no name behind
+                    else:
+                        fp_commit.settle(e.placeholder)
+                    e.placeholder = None
             if keep and not final:
                 self._pending[path] = keep
             else:
                 del self._pending[path]
-
-    @staticmethod
-    def _drop_placeholder(path: str) -> None:
-        fp_commit.release(path)
 
     def _wait_for(self, path: str) -> None:
         ckpt = self._ckpt
