@@ -26,7 +26,6 @@ from conftest import (
     assert_no_temps,
     fd_count,
     rss_bytes,
-    temp_files,
     tensor_bytes,
     thread_count,
 )
