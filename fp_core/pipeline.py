@@ -64,14 +64,14 @@ from typing import Any
 
 import torch
 
-from . import _native, optim_hooks, remote
+from . import _native, memory_guard, optim_hooks, remote
 from .api import PreparedSave
 from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave
 from .engine import EngineOptions
 from .errors import CheckpointError
 from .plan import StorageExtent
 from .stats import SaveStats
-from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, snapshot_to_host, stage_cpu
+from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, mark_ready, snapshot_to_host, stage_cpu
 
 log = logging.getLogger("fastpersist")
 
@@ -204,6 +204,45 @@ class _Arena:
     def carve(self, extents: list[StorageExtent]) -> list[torch.Tensor]:
         positions, _ = _arena_layout(extents)
         return [self.buf[p: p + s.length] for p, s in zip(positions, extents)]
+
+
+class _LiveMemory:
+    """The storages a background save reads in place, until it lets go of them.
+
+    Resizing one of them waits meanwhile (:mod:`fp_core.memory_guard`: FSDP frees
+    parameter memory with ``resize_(0)``). :meth:`release` (the save no longer reads live
+    memory: the fence opens) first checks that none of them moved or changed size in a way
+    the guard could not see, and fails the save if one did: what was read may not be what
+    the tensor held.
+    """
+
+    def __init__(self, extents: list[StorageExtent], released: threading.Event) -> None:
+        self.extents = extents
+        self.released = released
+        storages = [s.source.untyped_storage() for s in extents]
+        self.shape = [(st.data_ptr(), st.nbytes()) for st in storages]
+        self.guard = memory_guard.Guard(storages, released)
+
+    def release(self, path: str, plan: Any, check: bool = True) -> None:
+        if self.released.is_set():
+            return
+        try:
+            if check:
+                for s, (ptr, n) in zip(self.extents, self.shape):
+                    st = s.source.untyped_storage()
+                    if (st.data_ptr(), st.nbytes()) != (ptr, n):
+                        rec = plan.manifest.records[s.record] if plan is not None and plan.manifest else None
+                        what = f"tensor {rec.tensor}" if rec is not None and rec.tensor else "a tensor"
+                        raise CheckpointError(
+                            f"checkpoint {path} not written: the storage of {what} was freed or resized while it "
+                            f"was being written from live memory (a resize the fence could not see); use "
+                            f"policy='snapshot' for such tensors")
+        finally:
+            self.released.set()
+
+    def close(self) -> None:
+        self.released.set()
+        self.guard.close()
 
 
 def _path_key(path: str | os.PathLike) -> str:
@@ -352,6 +391,7 @@ class AsyncCheckpointer:
             # laid out congruent to the tensors' addresses: overlap writes them with no staging copy
             prepared = PreparedSave(obj, path, self.options, format, metadata, congruent=True)
         storages = prepared.plan.storages if prepared.plan is not None else []
+        mark_ready(storages)
         small = [s for s in storages if s.length <= self.small_tensor_bytes]
         big = [s for s in storages if s.length > self.small_tensor_bytes]
         policy = self._choose_policy(sum(s.length for s in storages))
@@ -372,9 +412,11 @@ class AsyncCheckpointer:
                     warm = (need, pin)
         arena = self._cpu_work_now(prepared, policy, small, big)
         handle = SaveHandle(prepared.final)
+        # What the writer will read from live memory: it must not be freed meanwhile.
+        live = _LiveMemory([s for s in big if s.host is None], handle._staged)
 
         def run() -> SaveStats:
-            return self._run_save(prepared, policy, big, handle, on_commit, arena)
+            return self._run_save(prepared, policy, big, handle, on_commit, arena, live)
 
         prepared.stats.policy = policy
         with self._cv:
@@ -627,8 +669,10 @@ class AsyncCheckpointer:
             self._pool = ThreadPoolExecutor(max_workers=self._pool_threads, thread_name_prefix="fastpersist-save")
         return self._pool
 
-    def _run_save(self, prepared: PreparedSave | CollectiveSave, policy: str, big: list[StorageExtent], handle: SaveHandle,
-                  on_commit: Callable[[str, SaveStats], None] | None, arena: _Arena | None = None) -> SaveStats:
+    def _run_save(self, prepared: PreparedSave | CollectiveSave, policy: str, big: list[StorageExtent],
+                  handle: SaveHandle, on_commit: Callable[[str, SaveStats], None] | None,
+                  arena: _Arena | None, live: _LiveMemory) -> SaveStats:
+        collective = isinstance(prepared, CollectiveSave)
         try:
             if policy == "snapshot" and big:
                 t0 = time.perf_counter()
@@ -639,18 +683,20 @@ class AsyncCheckpointer:
                 try:
                     if todo:
                         snapshot_to_host([s for s, _ in todo], [b for _, b in todo])
+                    live.release(prepared.final, prepared.plan, check=not collective)
                 except Exception as e:
-                    if isinstance(prepared, CollectiveSave):
+                    if collective:
                         prepared.fail(e)  # the other ranks must still hear of it
                     else:
                         prepared.abort()
                         raise
                 prepared.stats.extra["snapshot_seconds"] = time.perf_counter() - t0
-                handle._staged.set()
-            stats = prepared.run(handle._staged.set) if isinstance(prepared, CollectiveSave) \
-                else prepared.write(on_body_written=handle._staged.set)
+            if collective:
+                stats = prepared.run(handle._staged.set)
+            else:
+                stats = prepared.write(on_body_written=lambda: live.release(prepared.final, prepared.plan))
         finally:
-            handle._staged.set()
+            live.close()
             for s in big:
                 s.host, s.host_crcs = None, None
             if arena is not None:
@@ -717,7 +763,9 @@ class AsyncCheckpointer:
             arena = _Arena(need, pin, huge=self.huge_pages)
             # On this thread alone (a strided zero_() also ran on torch's intra-op threads:
             # no faster where fresh memory is slow to fault in, more CPU; native doc).
-            _native.populate(arena.buf.data_ptr(), need)
+            # Pinned memory is resident once allocated: nothing to fault in.
+            if not pin:
+                _native.populate(arena.buf.data_ptr(), need)
             self._give_arena(arena)
         except Exception as e:  # noqa: BLE001 - an optimisation: the saves go on without it
             self._warm_failed = True
