@@ -69,7 +69,16 @@ def coordination_group(group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) 
     return _coord_groups[ranks]
 
 
-_SAMPLES, _WINDOW = 8, 64
+_SAMPLES, _WINDOW = 9, 64
+
+
+def sample_spans(n: int) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` windows the replica check reads of an ``n``-byte storage:
+    all of it when small, else ``_SAMPLES`` windows spread evenly from its first byte to
+    its last (both ends included: a difference in the last bytes is seen too)."""
+    if n <= _SAMPLES * _WINDOW:
+        return [(0, n)] if n else []
+    return [(i * (n - _WINDOW) // (_SAMPLES - 1), _WINDOW) for i in range(_SAMPLES)]
 
 
 def _sample_crc(s: StorageExtent) -> int:
@@ -77,16 +86,24 @@ def _sample_crc(s: StorageExtent) -> int:
 
     Hashing every byte would cost a full read of the checkpoint before writing it; the
     samples catch replicas that drifted apart (different seeds, a rank that skipped a
-    step) at the cost of a few cache lines per tensor.
+    step) at the cost of a few cache lines per tensor. Device storages are sampled on the
+    device (one gather, one small copy to the host), the same windows as on the CPU.
     """
-    n, data = s.length, s.data
+    data, spans = s.data, sample_spans(s.length)
     if data.device.type != "cpu":
-        return _native.crc32c(data[: min(n, _WINDOW)].cpu().numpy().tobytes())
+        return _native.crc32c(_gather(data, spans).numpy().tobytes())
     crc, base = 0, data.data_ptr()
-    for i in range(_SAMPLES):
-        off = min(n - 1, i * n // _SAMPLES)
-        crc = _native.crc32c_addr(base + off, min(_WINDOW, n - off), crc)
+    for off, n in spans:
+        crc = _native.crc32c_addr(base + off, n, crc)
     return crc
+
+
+def _gather(data: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The bytes of ``spans`` of a flat uint8 tensor, in order, on the host."""
+    if not spans:
+        return torch.empty(0, dtype=torch.uint8)
+    idx = torch.cat([torch.arange(off, off + n, device=data.device) for off, n in spans])
+    return data[idx].cpu()
 
 
 # Storages whose sampled contents differ between ranks (BatchNorm statistics under DDP,
@@ -200,23 +217,29 @@ class CollectiveSave:
 
         # 1. rank 0 validates the target and creates the temp file; everyone learns the outcome.
         engine = None
+        held: int | None = None  # rank 0's lock on the shared temp file (commit.hold)
         first_error: BaseException | None = None
         header: tuple[bool, str, str] = (True, "", "")
         if rank == 0:
             try:
                 commit.check_target(final)
-                commit.clean(os.path.dirname(final))
-                tmp = commit.temp_path(final)
+                commit.clean_in_background(os.path.dirname(final))
+                tmp = commit.temp_path(final)  # named: the other ranks open it by name
                 engine = open_engine(tmp, opts, create=True)
+                held = commit.hold(engine.fileno())
                 if MIN_ALIGNMENT % engine.alignment:
-                    engine.close()
-                    commit.discard(tmp)
                     raise CheckpointError(f"{final}: the filesystem needs {engine.alignment}-byte alignment; "
                                           f"collective saves support up to {MIN_ALIGNMENT}")
                 header = (True, "", tmp)
             except Exception as e:  # noqa: BLE001 - broadcast, then raised on every rank
                 header = (False, f"{type(e).__name__}: {e}", "")
                 first_error = e
+                if engine is not None:
+                    engine.close()
+                    engine = None
+                    commit.discard(tmp)
+                commit.settle(held)
+                held = None
         ok, err, tmp = _broadcast(header, cg)
         if ok and tmp == _DECLINED:
             # rank 0 writes this checkpoint alone (see decline()): nothing to do here.
@@ -317,11 +340,12 @@ class CollectiveSave:
             if rank == 0:
                 commit.discard(tmp)
                 if isinstance(e, OSError) and getattr(e, "filename", None) == tmp:
-                    raise rename_os_error(e, final, tmp) from e
+                    raise rename_os_error(e, final) from e
             raise
         finally:
             if engine is not None:
                 engine.close()
+            commit.settle(held)
 
         stats.bytes = plan.file_size
         stats.writers = len(writers)

@@ -43,6 +43,9 @@ class StorageExtent:
     # computed while ``host`` was copied or at save time (writer.stage_cpu): the writer
     # passes them on instead of reading the bytes again.
     host_crcs: dict[tuple[int, int], int] | None = None
+    # CUDA event recorded on the caller's stream at save time (writer.mark_ready): device
+    # copies made later wait for it.
+    ready: Any = None
 
     @property
     def end(self) -> int:

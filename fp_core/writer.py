@@ -67,6 +67,23 @@ def _piece_addr(piece: Piece) -> int:
     return piece.storage.addr() + piece.storage_start
 
 
+def mark_ready(extents: list[StorageExtent]) -> None:
+    """Record, on the caller's current stream of each device, the point the device
+    storages' contents are final for this save: copies made later on another thread (the
+    background writer, whose current stream is another) wait for that point, not for
+    whatever that thread's stream holds."""
+    events: dict[torch.device, Any] = {}
+    for s in extents:
+        dev = s.source.device
+        if dev.type != "cuda":
+            continue
+        if dev not in events:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            events[dev] = ev
+        s.ready = events[dev]
+
+
 def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None = None) -> None:
     """Give each extent a host copy (``host``), device sources via a side CUDA stream.
 
@@ -80,7 +97,10 @@ def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None =
         buf = into[i] if into is not None else torch.empty(s.length, dtype=torch.uint8, pin_memory=pin)
         if pin:
             stream = streams.setdefault(dev, torch.cuda.Stream(dev))
-            stream.wait_stream(torch.cuda.current_stream(dev))
+            if s.ready is not None:  # after the work queued before save(), on the caller's stream
+                stream.wait_event(s.ready)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(dev))
             with torch.cuda.stream(stream):
                 buf.copy_(s.source, non_blocking=True)
         else:
@@ -173,18 +193,21 @@ def _release(staged: list[StorageExtent]) -> None:
 
 
 def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
-    """Cut [start, end) at storage boundaries so device storages are staged a batch at a time.
+    """Cut [start, end) before device storages so they are staged a batch at a time.
 
-    Storage data begins block-aligned, so every cut is a legal O_DIRECT range start.
+    Cuts are block-aligned (a storage need not start on a block: CPU storages sit at their
+    address modulo a page in the async layout, safetensors packs its tensors), and only
+    device storages count towards a batch: CPU bytes are never staged whole.
     """
     if all(s.on_cpu for s in plan.storages):
         return [(start, end)]
     cuts, acc = [start], 0
     for s in plan.storages:
-        if s.offset <= start or s.offset >= end:
+        if s.on_cpu or s.offset <= start or s.offset >= end:
             continue
-        if acc and acc + s.length > DEVICE_BATCH_BYTES:
-            cuts.append(s.offset)
+        cut = align_down(s.offset, plan.alignment)
+        if acc and acc + s.length > DEVICE_BATCH_BYTES and cut > cuts[-1]:
+            cuts.append(cut)
             acc = 0
         acc += s.length
     cuts.append(end)
