@@ -8,6 +8,12 @@ Runs fully offline (HF_HUB_OFFLINE=1). The dataset is 256 templated sentences wi
 positive/negative labels, built here. Prints, per run, the seconds training was stalled
 by each checkpoint and the total wall time, checks both runs ended with the same weights,
 then resumes the FastPersist run from its last checkpoint.
+
+    python examples/hf_finetune.py --large --device cuda --steps 4 --save-steps 2
+
+``--large`` trains a ~110M-parameter BERT built from a config on random token ids instead
+(no model package needed; ~1.3 GB checkpoints with the optimizer state); ``--device cuda``
+trains on the GPU (default cpu, as before).
 """
 
 from __future__ import annotations
@@ -70,11 +76,38 @@ class Sentences(torch.utils.data.Dataset):
                 "labels": self.labels[i]}
 
 
-def make_trainer(model_dir, tok, ds, out, steps, save_steps, callbacks):
+class RandomTokens(torch.utils.data.Dataset):
+    """``--large``: 256 sequences of random token ids with random labels (the model is random too)."""
+
+    def __init__(self, vocab_size: int, n: int = 256, max_len: int = 32):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1000, vocab_size, (n, max_len), generator=g)
+        self.labels = torch.randint(0, 2, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones_like(self.ids[i]), "labels": self.labels[i]}
+
+
+def large_config():
+    from transformers import BertConfig
+
+    return BertConfig(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+                      vocab_size=30522, num_labels=2)
+
+
+def make_trainer(model_dir, tok, ds, out, steps, save_steps, callbacks, device="cpu"):
     set_seed(0)  # the fresh classifier head is initialised identically in every run
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    if model_dir is None:  # --large: from a config, initialised by the seed above
+        from transformers import BertForSequenceClassification
+
+        model = BertForSequenceClassification(large_config())
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
     args = TrainingArguments(output_dir=out, max_steps=steps, save_steps=save_steps, per_device_train_batch_size=8,
-                             learning_rate=5e-5, use_cpu=True, report_to=[], dataloader_num_workers=0,
+                             learning_rate=5e-5, use_cpu=device == "cpu", report_to=[], dataloader_num_workers=0,
                              disable_tqdm=True, logging_steps=save_steps, seed=0)
     return Trainer(model=model, args=args, train_dataset=ds, processing_class=tok, callbacks=callbacks)
 
@@ -98,19 +131,28 @@ def main() -> None:
     ap.add_argument("--save-steps", type=int, default=10)
     ap.add_argument("--dir", default="/tmp/fastpersist-hf-demo")
     ap.add_argument("--policy", default="auto", choices=["auto", "overlap", "snapshot"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to train (default cpu)")
+    ap.add_argument("--large", action="store_true",
+                    help="a ~110M-parameter BERT from a config on random tokens (no MiniLM package needed)")
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device here")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
-    model_dir = minilm_dir()
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    ds = Sentences(tok)
+    if a.large:
+        model_dir, tok = None, None
+        ds = RandomTokens(large_config().vocab_size)
+    else:
+        model_dir = minilm_dir()
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        ds = Sentences(tok)
     shutil.rmtree(a.dir, ignore_errors=True)
     results = {}
 
     # stock saving
     out = os.path.join(a.dir, "stock")
-    t = make_trainer(model_dir, tok, ds, out, a.steps, a.save_steps, [])
+    t = make_trainer(model_dir, tok, ds, out, a.steps, a.save_steps, [], a.device)
     stalls = timed_stock(t)
     t0 = time.perf_counter()
     t.train()
@@ -119,7 +161,7 @@ def main() -> None:
     # FastPersist
     out = os.path.join(a.dir, "fastpersist")
     cb = FastPersistCallback(policy=a.policy)
-    t = make_trainer(model_dir, tok, ds, out, a.steps, a.save_steps, [cb])
+    t = make_trainer(model_dir, tok, ds, out, a.steps, a.save_steps, [cb], a.device)
     t0 = time.perf_counter()
     t.train()  # returns with every checkpoint committed
     wall = time.perf_counter() - t0
@@ -128,7 +170,10 @@ def main() -> None:
     last_fp = os.path.join(out, f"checkpoint-{a.steps}")
     size = sum(os.path.getsize(os.path.join(last_fp, f)) for f in os.listdir(last_fp)) / 2**20
 
-    print(f"\nMiniLM-L6 fine-tune, {a.steps} steps, checkpoint every {a.save_steps} steps ({size:.0f} MiB each)")
+    what = "BERT-base-like (from config)" if a.large else "MiniLM-L6"
+    where = f"cuda ({torch.cuda.get_device_name(0)})" if a.device == "cuda" else "cpu"
+    print(f"\n{what} fine-tune on {where}, {a.steps} steps, checkpoint every {a.save_steps} steps "
+          f"({size:.0f} MiB each)")
     print(f"{'':12s} {'stall per checkpoint (s)':>40s} {'mean':>7s} {'train wall (s)':>15s}")
     for name, (wall, st, _) in results.items():
         per = " ".join(f"{s:.3f}" for _, s in st)
@@ -151,7 +196,7 @@ def main() -> None:
 
     # resume the FastPersist run from its last checkpoint and train a bit further
     cb2 = FastPersistCallback(policy=a.policy)
-    t = make_trainer(model_dir, tok, ds, out, a.steps + a.save_steps, a.save_steps, [cb2])
+    t = make_trainer(model_dir, tok, ds, out, a.steps + a.save_steps, a.save_steps, [cb2], a.device)
     t.train(resume_from_checkpoint=True)
     first_new = [h for h in t.state.log_history if "loss" in h][-1]
     print(f"resumed from checkpoint-{a.steps}: trained to step {t.state.global_step}, "

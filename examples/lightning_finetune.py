@@ -20,6 +20,10 @@ synthetic sentences. ``--large`` instead builds a ~110M-parameter BERT from a co
 
     python examples/lightning_finetune.py                 # ~1-2 minutes on 2 CPU cores
     python examples/lightning_finetune.py --large --steps 6
+    python examples/lightning_finetune.py --large --accelerator gpu   # the same on a GPU
+
+``--accelerator``/``--devices`` go to the Trainer as they are (default: one CPU, as before);
+on a GPU the checkpoints hold device tensors, which every plugin copies to the host its way.
 """
 
 from __future__ import annotations
@@ -162,7 +166,7 @@ def run(mode: str, args, root: str) -> dict:
     mc = ModelCheckpoint(dirpath=d, every_n_train_steps=args.every, save_top_k=args.keep, monitor="step",
                          mode="max", filename="{step}")
     callbacks = [mc] + ([FastPersistCallback()] if mode == "fastpersist" else [])
-    trainer = lp.Trainer(accelerator="cpu", devices=1, max_steps=args.steps, logger=False,
+    trainer = lp.Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.steps, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
                          plugins=[io], default_root_dir=d, num_sanity_val_steps=0, limit_val_batches=0)
     t0 = time.perf_counter()
@@ -192,7 +196,10 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--keep", type=int, default=2, help="ModelCheckpoint save_top_k (default 2)")
     ap.add_argument("--modes", default="stock,async,fastpersist")
+    ap.add_argument("--accelerator", default="cpu", help="Lightning accelerator: cpu (default), gpu, cuda, auto")
+    ap.add_argument("--devices", default="1", help="Lightning devices (default 1)")
     args = ap.parse_args()
+    args.devices = int(args.devices) if args.devices.isdigit() else args.devices
     args.steps = args.steps or (4 if args.large else 30)
     args.every = args.every or (1 if args.large else 5)
     args.batch_size = args.batch_size or (8 if args.large else 16)
@@ -206,7 +213,10 @@ def main() -> None:
     root = args.dir or tempfile.mkdtemp(prefix="fp-lightning-", dir=os.environ.get("FP_EXAMPLE_TMP"))
     os.makedirs(root, exist_ok=True)
     what = "BERT-base-like (from config)" if args.large else "all-MiniLM-L6-v2 (pretrained)"
-    print(f"{what}: {args.steps} steps, checkpoint every {args.every}, batch {args.batch_size}, dir {root}")
+    where = args.accelerator if args.accelerator == "cpu" else f"{args.accelerator} x {args.devices}"
+    if args.accelerator in ("gpu", "cuda") and torch.cuda.is_available():
+        where += f" ({torch.cuda.get_device_name(0)})"
+    print(f"{what} on {where}: {args.steps} steps, checkpoint every {args.every}, batch {args.batch_size}, dir {root}")
     rows = []
     try:
         for mode in args.modes.split(","):

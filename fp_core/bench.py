@@ -8,6 +8,12 @@ read a file whose pages were dropped from the page cache first (cold). GB/s is a
 
     fastpersist bench --dir /mnt/nvme/bench --size 4GiB --repeat 3 --plot bench.png
     python -m fp_core.bench --size 1GiB --json
+
+``--device cuda`` builds the state dict on the GPU: the save rows then include the copy to the
+host (torch.save's own, fp_core's pinned staging on a side stream), and the load rows load onto
+the GPU (``map_location="cuda"``; safetensors ``device="cuda"``). The device-limit rows stay
+host memory <-> disk: the engine's own speed, the bound of both. ``--dry-run`` prints what
+would run and exits without building anything (a GPU command line checked without a GPU).
 """
 
 from __future__ import annotations
@@ -75,8 +81,11 @@ def fmt_bytes(n: float) -> str:
 
 
 # ---------------------------------------------------------------------------- the state dict
-def make_state_dict(nbytes: int, seed: int = 0) -> dict[str, Any]:
+def make_state_dict(nbytes: int, seed: int = 0, device: str | torch.device = "cpu") -> dict[str, Any]:
     """A model + Adam-like checkpoint of about ``nbytes`` tensor bytes.
+
+    On ``device`` (built on the CPU, each tensor moved as it is made, so the host never
+    holds more than one); the ``step`` scalars stay on the CPU, as Adam keeps them.
 
     A third is parameters, two thirds Adam's exp_avg/exp_avg_sq of the same shapes. The
     parameters: two large float32 matrices (70%), one bf16 embedding (20%), 200 mid-size
@@ -110,7 +119,7 @@ def make_state_dict(nbytes: int, seed: int = 0) -> dict[str, Any]:
             start = cursor["pos"] % (src.numel() - n + 1)
             flat[lo: lo + n].copy_(src[start: start + n])
             cursor["pos"] += 7919
-        return t
+        return t if torch.device(device).type == "cpu" else t.to(device)
 
     model = {name: tensor(n, dt) for name, n, dt in shapes}
     state = {
@@ -145,6 +154,12 @@ def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         for i, v in enumerate(obj):
             out.update(flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
     return out
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return str(device)
 
 
 # ---------------------------------------------------------------------------- measurement
@@ -259,6 +274,12 @@ class Row:
         return self.bytes / self.median / 1e9 if self.seconds else 0.0
 
 
+def sync_device() -> None:
+    """Wait for the GPU when this process uses one (a timed row ends when its copies have)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def measure(row: Row, fn: Callable[[], Any], repeat: int, before: Callable[[], None] | None = None,
             after: Callable[[Any], None] | None = None) -> None:
     """Time ``fn`` ``repeat`` times; ``before``/``after`` run untimed around each call."""
@@ -267,9 +288,11 @@ def measure(row: Row, fn: Callable[[], Any], repeat: int, before: Callable[[], N
             before()
         gc.collect()
         reset_peak_rss()
+        sync_device()
         rss0 = _status_kib("VmRSS")
         t0 = time.perf_counter()
         result = fn()
+        sync_device()
         dt = time.perf_counter() - t0
         peak = _status_kib("VmHWM")
         row.seconds.append(dt)
@@ -377,20 +400,21 @@ def load_device(path: str, buf: np.ndarray, nbytes: int) -> None:
 
 
 def touch_pages(obj: Any) -> Any:
-    """Read one byte per 4 KiB page of every tensor, so lazily mapped data is really loaded."""
+    """Read one byte per 4 KiB page of every CPU tensor, so lazily mapped data is really
+    loaded (a device tensor's bytes were copied to it: nothing is left to map in)."""
     for t in flatten_tensors(obj).values():
-        if t.numel():
+        if t.numel() and t.device.type == "cpu":
             int(t.reshape(-1).view(torch.uint8)[::4096].sum())
     return obj
 
 
-def load_torch_mmap(path: str) -> Any:
-    return touch_pages(torch.load(path, mmap=True, weights_only=True))
+def load_torch_mmap(path: str, map_location: Any = None) -> Any:
+    return touch_pages(torch.load(path, mmap=True, weights_only=True, map_location=map_location))
 
 
-def load_safetensors(path: str) -> Any:
+def load_safetensors(path: str, device: str = "cpu") -> Any:
     from safetensors.torch import load_file
-    return touch_pages(load_file(path))  # load_file maps the file lazily: touch to compare like with like
+    return touch_pages(load_file(path, device=device))  # load_file maps the file lazily: touch to compare like with like
 
 
 # ---------------------------------------------------------------------------- the run
@@ -403,22 +427,65 @@ def _opts_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+def selected_rows(args: argparse.Namespace) -> list[str]:
     only = [r.strip() for r in args.only.split(",")] if args.only else list(ALL_ROWS)
     unknown = [r for r in only if r not in ALL_ROWS]
     if unknown:
         raise SystemExit(f"--only: unknown rows {unknown}; choose from {','.join(ALL_ROWS)}")
+    return only
+
+
+def bench_device(args: argparse.Namespace) -> torch.device:
+    """The device of the benchmark's state dict (``--device``), checked to exist here."""
+    device = torch.device(getattr(args, "device", "cpu") or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False); "
+                         "--dry-run checks the command line without one")
+    return device
+
+
+def device_labels(device: torch.device) -> dict[str, str]:
+    """Row labels; on a GPU the loads say where they load to and the engine rows where from."""
+    if device.type == "cpu":
+        return dict(LABELS)
+    return dict(LABELS, device=LABELS["device"] + " (host memory)",
+                torch="(b) torch.save + fsync (torch's own device-to-host copies)",
+                fastpersist="(f) fp_core.save (pinned staging on a side stream)",
+                load_device=LABELS["load_device"] + " (into host memory)",
+                load_torch=f"torch.load(map_location='{device.type}')",
+                load_torch_mmap=f"torch.load(mmap=True, map_location='{device.type}')",
+                load_safetensors=f"safetensors load_file(device='{device.type}')",
+                load_fastpersist=f"fp_core.load(map_location='{device.type}')",
+                load_fastpersist_verify=f"fp_core.load(map_location='{device.type}', verify=True)")
+
+
+def dry_run(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``run_sync`` would do, from the arguments alone (no state dict, no device)."""
+    device = torch.device(getattr(args, "device", "cpu") or "cpu")
+    only = selected_rows(args)
+    return {"dry_run": True, "device": str(device), "cuda_available": torch.cuda.is_available(),
+            "size_bytes": args.size, "rows": only, "repeat": max(1, args.repeat),
+            "warmup_rounds": max(0, args.warmup_rounds), "dir": os.path.abspath(args.dir),
+            "engine_options": _opts_from_args(args)}
+
+
+def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
+    only = selected_rows(args)
+    device = bench_device(args)
+    labels = device_labels(device)
+    map_location = None if device.type == "cpu" else device.type
     os.makedirs(args.dir, exist_ok=True)
     opts = _opts_from_args(args)
     repeat = max(1, args.repeat)
     warmup = max(0, args.warmup_rounds)
 
     t0 = time.perf_counter()
-    sd = make_state_dict(args.size)
+    sd = make_state_dict(args.size, device=device)
     flat = flatten_tensors(sd)
     n_tensors = len(flat)
     nbytes = payload_bytes(sd)
-    log(f"state dict: {fmt_bytes(nbytes)} in {len(flat)} tensors (built in {time.perf_counter() - t0:.1f} s); "
+    where = describe_device(device)
+    log(f"state dict: {fmt_bytes(nbytes)} in {len(flat)} tensors on {where} (built in {time.perf_counter() - t0:.1f} s); "
         f"dir {os.path.abspath(args.dir)}; repeat {repeat} (median); torch threads {torch.get_num_threads()}")
     peak_ok = check_peak_reset()
     if not peak_ok:
@@ -463,7 +530,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     fp_stats: list[Any] = []
     save_keys = [k for k in SAVE_ROWS if k in only]
     for key in save_keys:
-        rows[key] = Row(key, LABELS[key], "save", nbytes)
+        rows[key] = Row(key, labels[key], "save", nbytes)
     def save_one(row: Row) -> None:
         try:
             after = {"fastpersist": fp_stats.append, "device": row.extra.update}.get(row.key)
@@ -492,17 +559,21 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         loaders["load_device"] = (files["device"], lambda: load_device(files["device"], dev_buf, nbytes))
     if "load_torch" in only or "load_torch_mmap" in only:
         ensure("torch", savers["torch"])
-        loaders["load_torch"] = (files["torch"], lambda: torch.load(files["torch"], weights_only=True))
-        loaders["load_torch_mmap"] = (files["torch"], lambda: load_torch_mmap(files["torch"]))
+        loaders["load_torch"] = (files["torch"], lambda: torch.load(files["torch"], weights_only=True,
+                                                                    map_location=map_location))
+        loaders["load_torch_mmap"] = (files["torch"], lambda: load_torch_mmap(files["torch"], map_location))
     if "load_safetensors" in only:
         ensure("safetensors", savers["safetensors"])
-        loaders["load_safetensors"] = (files["safetensors"], lambda: load_safetensors(files["safetensors"]))
+        loaders["load_safetensors"] = (files["safetensors"],
+                                       lambda: load_safetensors(files["safetensors"], map_location or "cpu"))
     if "load_fastpersist" in only or "load_fastpersist_verify" in only:
         from .loader import load as fp_load
         ensure("fastpersist", savers["fastpersist"])
-        loaders["load_fastpersist"] = (files["fastpersist"], lambda: fp_load(files["fastpersist"], weights_only=True))
+        loaders["load_fastpersist"] = (files["fastpersist"], lambda: fp_load(files["fastpersist"], weights_only=True,
+                                                                             map_location=map_location))
         loaders["load_fastpersist_verify"] = (files["fastpersist"],
-                                              lambda: fp_load(files["fastpersist"], weights_only=True, verify=True))
+                                              lambda: fp_load(files["fastpersist"], weights_only=True, verify=True,
+                                                              map_location=map_location))
     # Loads run without the benchmark's own state dict in memory (a training job loads
     # before it has one) and with the saves' page cache (gigabytes of buffered writes)
     # dropped, so reclaim inside the first loads does not decide the table.
@@ -515,7 +586,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     load_keys = [k for k in LOAD_ROWS if k in only and k in loaders]
     for key in load_keys:
         path = loaders[key][0]
-        rows[key] = Row(key, LABELS[key], "load", nbytes, file_bytes=os.path.getsize(path))
+        rows[key] = Row(key, labels[key], "load", nbytes, file_bytes=os.path.getsize(path))
         if drop_check is None:
             drop_check = cache_drop_check(path)
             log(f"  page-cache drop check on {os.path.basename(path)}: first 256 MiB read cold "
@@ -537,6 +608,8 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     return {
         "size_bytes": nbytes,
         "tensors": n_tensors,
+        "device": str(device),
+        "device_name": where,
         "dir": os.path.abspath(args.dir),
         "repeat": repeat,
         "warmup_rounds": warmup,
@@ -587,7 +660,8 @@ def targets(rows: dict[str, Row]) -> list[dict[str, Any]]:
 def format_report(res: dict[str, Any]) -> str:
     rows = res["rows"]
     by = {r["key"]: r for r in rows}
-    lines = [f"checkpoint: {fmt_bytes(res['size_bytes'])} of tensors ({res['tensors']} tensors), "
+    lines = [f"checkpoint: {fmt_bytes(res['size_bytes'])} of tensors ({res['tensors']} tensors"
+             f"{', on ' + res['device_name'] if res.get('device', 'cpu') != 'cpu' else ''}), "
              f"median of {res['repeat']} rounds after {res.get('warmup_rounds', 0)} warm-up (each round runs "
              f"every row once; ratios are medians of per-round ratios), dir {res['dir']}, {res['cpus']} CPUs"]
 
@@ -672,6 +746,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", metavar="ROWS", help=f"comma list of rows: {','.join(ALL_ROWS)}")
     parser.add_argument("--async", dest="run_async", action="store_true",
                         help="run the async training benchmark (step time, blocked time) instead")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the checkpoint's tensors live (default cpu); cuda: state dict / model on "
+                             "the GPU, loads with map_location='cuda'")
+    parser.add_argument("--dry-run", dest="dry_run", action="store_true",
+                        help="print what would run (sizes, rows or modes) and exit; needs no device")
+    parser.add_argument("--json-out", dest="json_out", metavar="FILE.json",
+                        help="also write the machine-readable result to this file")
     g = parser.add_argument_group("engine options (fp_core.save and the device row)")
     g.add_argument("--backend", choices=("auto", "io_uring", "threadpool", "buffered"))
     g.add_argument("--queue-depth", dest="queue_depth", type=int)
@@ -691,10 +772,23 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "run_async", False):
         from .bench_async import run_async
         return run_async(args, log)
+    if getattr(args, "dry_run", False):
+        plan = dry_run(args)
+        if args.json:
+            print(json.dumps(plan, indent=2))
+        else:
+            print(f"dry run: a {fmt_bytes(plan['size_bytes'])} state dict on {plan['device']}, rows "
+                  f"{','.join(plan['rows'])}, {plan['warmup_rounds']} warm-up + {plan['repeat']} rounds, "
+                  f"dir {plan['dir']}" + ("" if plan["device"] == "cpu" or plan["cuda_available"]
+                                          else "; no CUDA device here"))
+        return 0
     res = run_sync(args, log)
     if args.plot:
         plot(res, args.plot)
         log(f"plot written to {args.plot}")
+    if getattr(args, "json_out", None):
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=2, default=str)
     if args.json:
         print(json.dumps(res, indent=2, default=str))
     else:

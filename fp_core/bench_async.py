@@ -44,6 +44,15 @@ the first measured steps.
 
 Blocked time per checkpoint = time the training thread spends in the save call plus any
 wait it causes later (the fence before the next step, a wait for the previous save).
+
+``--device cuda`` (``--dtype float32|bfloat16|float16``) trains the same MLP on the GPU: the
+checkpoint is then device memory, which every mode copies to the host its own way (torch.save
+and DCP through pageable or pinned copies, AsyncCheckpointer through pinned staging on a side
+stream). Each step ends with a device synchronisation (as a loop that logs its loss does), so
+step times are the GPU's; the batch is calibrated the same way (``--compute-ms``), from larger
+probe batches. ``--dry-run`` prints what would run (model, checkpoint size, modes) and exits
+without touching a device: ``fastpersist bench --async --device cuda --dry-run`` checks a GPU
+command line on a machine without one.
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bench import format_targets, payload_bytes
+from .bench import describe_device, format_targets, payload_bytes
 from .procinfo import cpu_seconds
 
 # Run order inside a round (each mode between two no-checkpoint runs): the fp_core modes
@@ -82,6 +91,7 @@ LABELS = {
     "overlap_huge": "  overlap, live tensors moved to huge pages",
 }
 BACKGROUND_MODES = ("overlap_bg", "snapshot_bg")  # cpu_work_at_save=False
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_async_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,38 +109,75 @@ def add_async_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compute-ms", type=float, default=2000.0,
                    help="target compute per iteration, forward+backward+step (default 2000)")
     g.add_argument("--torch-threads", type=int, help="torch.set_num_threads for training (default: torch's)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="parameter (and Adam state) dtype of the MLP (default float32)")
+    g.add_argument("--adam", choices=("default", "fused"), default="default",
+                   help="torch.optim.Adam as constructed by default (its step counters on the CPU) or with "
+                        "fused=True (everything on the model's device; what GPU training often uses)")
+    g.add_argument("--no-write-probe", dest="write_probe", action="store_false",
+                   help="skip the 'write alone' probe (two fp_core.save and two torch.save of the checkpoint "
+                        "before the rounds)")
 
 
 class Trainer:
-    def __init__(self, width: int, layers: int, batch: int, seed: int = 0) -> None:
+    """An MLP of ``layers`` Linear(width, width) + ReLU with Adam, on ``device`` in ``dtype``."""
+
+    def __init__(self, width: int, layers: int, batch: int, seed: int = 0, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, fused_adam: bool = False) -> None:
         torch.manual_seed(seed)
+        self.device = torch.device(device)
         mods: list[nn.Module] = []
         for _ in range(layers):
-            mods += [nn.Linear(width, width), nn.ReLU()]
+            mods += [nn.Linear(width, width, device=self.device, dtype=dtype), nn.ReLU()]
         self.model = nn.Sequential(*mods)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-5)
+        self.dtype = dtype
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-5, **({"fused": True} if fused_adam else {}))
         self.set_batch(batch)
 
     def set_batch(self, batch: int) -> None:
         width = self.model[0].in_features
-        self.x = torch.randn(batch, width)
-        self.y = torch.randn(batch, width)
+        self.x = torch.randn(batch, width, device=self.device, dtype=self.dtype)
+        self.y = torch.randn(batch, width, device=self.device, dtype=self.dtype)
 
     def step(self) -> None:
         self.opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(self.model(self.x), self.y)
         loss.backward()
         self.opt.step()
+        if self.device.type == "cuda":  # the step is done when the GPU is (a loop logging its loss waits too)
+            torch.cuda.current_stream(self.device).synchronize()  # this stream only, not a checkpoint's copies
 
     def state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}
 
 
-def calibrate_batch(tr: Trainer, target_ms: float, tolerance: float = 0.05, tries: int = 4) -> int:
-    """Batch size whose step takes about target_ms: a linear fit of two small batches,
-    then secant steps through measurements at the predicted batch until one lands within
-    ``tolerance`` (step time is not linear in the batch from 8 up to thousands: the fit
-    alone missed by up to 70%, one refit still by 15%)."""
+def checkpoint_bytes(width: int, layers: int, dtype: torch.dtype) -> int:
+    """Tensor bytes of the MLP's checkpoint once Adam has stepped: every parameter three
+    times (weights, exp_avg, exp_avg_sq) plus one float32 ``step`` scalar per parameter."""
+    params = layers * (width * width + width)
+    return 3 * params * torch.empty(0, dtype=dtype).element_size() + 2 * layers * 4
+
+
+def max_batch_for(tr: Trainer, fraction: float = 0.5) -> int | None:
+    """The largest batch whose activations (about six width-sized rows per layer and sample:
+    outputs, ReLU outputs and their gradients) fit ``fraction`` of the free device memory;
+    None on the CPU."""
+    if tr.device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(tr.device)
+    width, layers = tr.model[0].in_features, len(tr.model) // 2
+    per_sample = 6 * layers * width * tr.x.element_size()
+    return max(1, int(free * fraction) // per_sample)
+
+
+def calibrate_batch(tr: Trainer, target_ms: float, tolerance: float = 0.05, tries: int = 4,
+                    start: tuple[int, int] = (8, 64), max_batch: int | None = None) -> int:
+    """Batch size whose step takes about target_ms: a linear fit of two small batches
+    (``start``), then secant steps through measurements at the predicted batch until one
+    lands within ``tolerance`` (step time is not linear in the batch from 8 up to
+    thousands: the fit alone missed by up to 70%, one refit still by 15%). ``max_batch``
+    caps every guess (device memory); a GPU needs larger probes than 8 and 64, whose steps
+    only measure kernel launches."""
 
     def step_ms(b: int) -> float:
         tr.set_batch(b)
@@ -144,13 +191,18 @@ def calibrate_batch(tr: Trainer, target_ms: float, tolerance: float = 0.05, trie
 
     def fit(p: tuple[int, float], q: tuple[int, float]) -> int:
         per = max((q[1] - p[1]) / (q[0] - p[0]), 1e-3) if q[0] != p[0] else 1e-3
-        return max(1, int(round(p[0] + (target_ms - p[1]) / per)))
+        guess = max(1, int(round(p[0] + (target_ms - p[1]) / per)))
+        return min(guess, max_batch) if max_batch else guess
 
-    p = (8, step_ms(8))
-    q = (64, step_ms(64))
+    small, large = start
+    if max_batch:
+        large = min(large, max_batch)
+        small = min(small, max(1, large // 8))
+    p = (small, step_ms(small))
+    q = (large, step_ms(large))
     guess = fit(p, q)
     for _ in range(tries):
-        if guess <= 64 or guess in (p[0], q[0]):
+        if guess <= large or guess in (p[0], q[0]):
             break
         p, q = q, (guess, step_ms(guess))
         if abs(q[1] - target_ms) <= tolerance * target_ms:
@@ -193,7 +245,7 @@ class DiskOnly(Mode):
 
         from .engine import EngineOptions
         self.options = EngineOptions(**engine_options)
-        tensors = [t for t in _tensors(tr.state()) if t.device.type == "cpu"]
+        tensors = _tensors(tr.state())  # device tensors too: their bytes are what a checkpoint writes
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.raw = torch.empty(self.nbytes + 4096, dtype=torch.uint8)
         skip = -self.raw.data_ptr() % 4096
@@ -359,23 +411,31 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
     warm = []  # the warm-up iterations' steps: where one-time costs (a fresh arena) land
     blocked = []
     cpu0 = 0.0
-    for i in range(warmup + iters):
-        if i == warmup:
-            cpu0 = cpu_seconds()
-        b0 = mode.blocked
+    try:
+        for i in range(warmup + iters):
+            if i == warmup:
+                cpu0 = cpu_seconds()
+            b0 = mode.blocked
+            t0 = time.perf_counter()
+            tr.step()
+            mode.save(tr)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                steps.append(dt)
+                blocked.append(mode.blocked - b0)
+            else:
+                warm.append(dt)
+        cpu_per_iter = (cpu_seconds() - cpu0) / max(1, iters)
         t0 = time.perf_counter()
-        tr.step()
-        mode.save(tr)
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            steps.append(dt)
-            blocked.append(mode.blocked - b0)
-        else:
-            warm.append(dt)
-    cpu_per_iter = (cpu_seconds() - cpu0) / max(1, iters)
-    t0 = time.perf_counter()
-    mode.drain()
-    drain = time.perf_counter() - t0
+        mode.drain()
+        drain = time.perf_counter() - t0
+    except BaseException:
+        try:  # stop its background work before the next mode runs; the first error is the one reported
+            mode.drain()
+        except BaseException:  # noqa: BLE001
+            pass
+        _remove(path)
+        raise
     out = {"mode": mode_name, "label": getattr(mode, "label", LABELS[mode_name]), "step_seconds": steps,
            "median_step": statistics.median(steps), "mean_step": statistics.mean(steps),
            "total_seconds": sum(steps), "warmup_seconds": sum(warm), "blocked_per_ckpt": statistics.mean(blocked) if mode_name != "none" else 0.0,
@@ -385,18 +445,24 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         out["fp_stats"] = {"seconds": st.seconds, "write_seconds": st.write_seconds, "policy": st.policy,
                            "snapshot_seconds": st.extra.get("snapshot_seconds"), "backend": st.backend,
                            "at_save_seconds": st.extra.get("at_save_seconds"),
+                           "device_copy_seconds": st.device_copy_seconds,
                            "huge_page_bytes": mode.huge_page_bytes,
                            # every save's policy in order, warm-up included (auto changes its mind)
                            "policies": [x.policy for x in mode.stats]}
-    for p in (path,):
-        if os.path.isdir(p):
-            shutil.rmtree(p, ignore_errors=True)
-        elif os.path.exists(p):
-            os.unlink(p)
+    _remove(path)
     del mode
     gc.collect()
+    if tr.device.type == "cuda":  # clones and staging copies a mode left in the caching allocator
+        torch.cuda.empty_cache()
     os.sync()  # a mode's dirty page cache must not be written back during the next one
     return out
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.unlink(path)
 
 
 def measure_writes(tr: Trainer, workdir: str, engine_options: dict[str, Any]) -> dict[str, float]:
@@ -423,65 +489,136 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     if "overlap_huge" in modes and set(modes) - {"none", "disk", "overlap_huge"}:
         raise SystemExit("--modes: overlap_huge moves the trainer's tensors onto huge pages for the rest of "
                          "the process, so every later mode would write from them too: run it with none,disk only")
+    device = torch.device(getattr(args, "device", "cpu"))
+    dtype = DTYPES[getattr(args, "dtype", "float32")]
+    if getattr(args, "dry_run", False):
+        return _dry_run(args, modes, device, dtype)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (torch.cuda.is_available() is False); "
+                         "--dry-run checks the command line without one")
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     workdir = args.dir
     os.makedirs(workdir, exist_ok=True)
     eng = _engine_options(args)
-    tr = Trainer(args.width, args.layers, args.batch or 8)
-    batch = args.batch or calibrate_batch(tr, args.compute_ms)
+    fused = getattr(args, "adam", "default") == "fused"
+    tr = Trainer(args.width, args.layers, args.batch or 8, device=device, dtype=dtype, fused_adam=fused)
+    if args.batch:
+        batch = args.batch
+    elif device.type == "cuda":  # 8 and 64 only time kernel launches on a GPU
+        batch = calibrate_batch(tr, args.compute_ms, start=(64, 1024), max_batch=max_batch_for(tr))
+    else:
+        batch = calibrate_batch(tr, args.compute_ms)
     tr.set_batch(batch)
     tr.step()  # Adam state exists from here on
     nbytes = payload_bytes(tr.state())
     nparams = sum(p.numel() for p in tr.model.parameters())
-    log(f"MLP {args.layers}x{args.width}: {nparams / 1e6:.1f}M params, checkpoint {nbytes / 1e9:.2f} GB, "
-        f"batch {batch}, torch threads {torch.get_num_threads()}, engine options {eng or 'defaults'}")
-    writes = measure_writes(tr, workdir, eng)
-    log(f"write alone: fp_core.save {writes['fastpersist_save']:.2f} s, torch.save+fsync {writes['torch_save']:.2f} s")
+    where = describe_device(tr.device)
+    log(f"MLP {args.layers}x{args.width} {str(dtype).removeprefix('torch.')} on {where}, {'fused ' if fused else ''}Adam: "
+        f"{nparams / 1e6:.1f}M params, "
+        f"checkpoint {nbytes / 1e9:.2f} GB, batch {batch}, torch threads {torch.get_num_threads()}, "
+        f"engine options {eng or 'defaults'}")
+    writes = None
+    if getattr(args, "write_probe", True):
+        writes = measure_writes(tr, workdir, eng)
+        log(f"write alone: fp_core.save {writes['fastpersist_save']:.2f} s, "
+            f"torch.save+fsync {writes['torch_save']:.2f} s")
     # Every mode runs between two no-checkpoint runs and is measured against their mean:
     # this VM's step time drifts by up to 20% over the minutes of a round, and a baseline
     # taken only at the start (or the ends) of the round lands that drift on the modes.
     rounds = max(1, getattr(args, "rounds", 1))
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     base_for: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    failed: dict[str, str] = {}  # a mode that raised: reported, left out of later rounds
 
     def run(m: str, rnd: int) -> dict[str, Any]:
         log(f"  round {rnd + 1}/{rounds}: {LABELS[m]} ...")
-        return run_mode(m, tr, workdir, args.iters, args.warmup, eng)
+        r = run_mode(m, tr, workdir, args.iters, args.warmup, eng)
+        # one line per run as it ends: a run cut short by a time limit still leaves its figures
+        log(f"    {m}: step median {r['median_step']:.3f} s, total {r['total_seconds']:.2f} s, blocked/ckpt "
+            f"{r['blocked_per_ckpt']:.3f} s, warm-up {r['warmup_seconds']:.2f} s, drain {r['drain_seconds']:.2f} s"
+            + (f", policies {r['fp_stats']['policies']}" if r.get("fp_stats") else ""))
+        return r
+
+    def attempt(m: str, rnd: int) -> dict[str, Any] | None:
+        if m == "none":  # the baseline must run: without it no row means anything
+            return run(m, rnd)
+        try:
+            return run(m, rnd)
+        except Exception as e:  # noqa: BLE001 - one failing competitor must not stop the table
+            failed[m] = f"{type(e).__name__}: {e}"
+            per_mode[m].clear()
+            base_for[m].clear()
+            log(f"    {m} failed: {failed[m]}")
+            return None
 
     for rnd in range(rounds):
         if "none" not in modes:
             for m in modes:
-                per_mode[m].append(run(m, rnd))
+                if m not in failed and (r := attempt(m, rnd)) is not None:
+                    per_mode[m].append(r)
             continue
         nones = [run("none", rnd)]
         for m in modes:
-            if m == "none":
+            if m == "none" or m in failed:
                 continue
-            per_mode[m].append(run(m, rnd))
+            r = attempt(m, rnd)
+            if r is None:
+                continue
+            per_mode[m].append(r)
             nones.append(run("none", rnd))
             base_for[m].append(_mean_runs(nones[-2:]))
         per_mode["none"].append(_mean_runs(nones))
         base_for["none"].append(per_mode["none"][-1])
-    results = [merge_rounds(per_mode[m], base_for[m] or None, per_mode.get("torch")) for m in modes]
+    results = [{"mode": m, "label": LABELS[m], "error": failed[m]} if m in failed
+               else merge_rounds(per_mode[m], base_for[m] or None, per_mode.get("torch")) for m in modes]
     base = next((r for r in results if r["mode"] == "none"), None)
     res = {"checkpoint_bytes": nbytes, "params": nparams, "batch": batch, "iters": args.iters, "rounds": rounds,
            "warmup": args.warmup, "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+           "device": str(tr.device), "device_name": where, "dtype": str(dtype).removeprefix("torch."),
+           "adam": "fused" if fused else "default",
            "engine_options": eng, "compute_seconds": base["median_step"] if base else None,
            "write_alone_seconds": writes, "modes": results}
-    floor = next((r for r in results if r["mode"] == "disk" and r["slowdown_per_round"]), None)
+    floor = next((r for r in results if r["mode"] == "disk" and r.get("slowdown_per_round")), None)
     if floor:
         for r in results:
-            if r["mode"] not in ("none", "disk") and r["slowdown_per_round"]:
+            if r["mode"] not in ("none", "disk") and r.get("slowdown_per_round"):
                 r["over_floor"] = statistics.median(
                     a - b for a, b in zip(r["slowdown_per_round"], floor["slowdown_per_round"]))
     res["targets"] = async_targets(res)
     if getattr(args, "plot", None):
         plot_async(res, args.plot)
+    if getattr(args, "json_out", None):
+        with open(args.json_out, "w") as f:
+            json.dump(res, f, indent=2)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
         print(format_async(res))
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, modes: list[str], device: torch.device, dtype: torch.dtype) -> int:
+    """What the command would run, from its arguments alone (no device, no disk touched)."""
+    nbytes = checkpoint_bytes(args.width, args.layers, dtype)
+    plan = {"dry_run": True, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "adam": getattr(args, "adam", "default"),
+            "cuda_available": torch.cuda.is_available(), "width": args.width, "layers": args.layers,
+            "params": args.layers * (args.width ** 2 + args.width), "checkpoint_bytes": nbytes,
+            "modes": modes, "iters": args.iters, "warmup": args.warmup, "rounds": max(1, args.rounds),
+            "batch": args.batch, "compute_ms": args.compute_ms, "write_probe": getattr(args, "write_probe", True),
+            "dir": os.path.abspath(args.dir), "engine_options": _engine_options(args)}
+    if args.json:
+        print(json.dumps(plan, indent=2))
+    else:
+        runs = len(modes) + (len(modes) - 1 if "none" in modes else 0)
+        adam = "fused Adam" if plan["adam"] == "fused" else "Adam"
+        print(f"dry run: MLP {args.layers}x{args.width} {plan['dtype']} on {device} "
+              f"({plan['params'] / 1e6:.1f}M params + {adam}), a {nbytes / 1e9:.2f} GB checkpoint after every step; "
+              f"modes {','.join(modes)} ({runs} runs per round with the baselines), "
+              f"{args.warmup} warm-up + {args.iters} measured iterations each, {plan['rounds']} round(s); "
+              f"batch {args.batch or f'calibrated to ~{args.compute_ms:.0f} ms'}; dir {plan['dir']}"
+              + ("" if device.type != "cuda" or plan["cuda_available"] else "; no CUDA device here"))
     return 0
 
 
@@ -553,6 +690,8 @@ def median_ci(values: list[float], conf: float = 0.95) -> tuple[float, float, fl
 def async_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for r in res["modes"]:
+        if r.get("error"):
+            continue
         if r["mode"] in ("auto", "overlap", "snapshot") and r["slowdown"] is not None:
             t = {"target": f"{r['mode']}: slowdown <= 5%", "value": round(100 * r["slowdown"], 1),
                  "pass": r["slowdown"] <= 0.05}
@@ -569,16 +708,24 @@ def async_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def format_async(res: dict[str, Any]) -> str:
-    w = res["write_alone_seconds"]
-    lines = [f"checkpoint {res['checkpoint_bytes'] / 1e9:.2f} GB ({res['params'] / 1e6:.1f}M params + Adam), "
+    w = res.get("write_alone_seconds")
+    alone = (f"fp_core.save {w['fastpersist_save']:.2f} s, torch.save+fsync {w['torch_save']:.2f} s" if w
+             else "not measured (--no-write-probe)")
+    compute = "-" if res.get("compute_seconds") is None else f"{res['compute_seconds']:.2f} s"
+    where = res.get("device_name") or res.get("device") or "cpu"
+    adam = "fused Adam" if res.get("adam") == "fused" else "Adam"
+    lines = [f"checkpoint {res['checkpoint_bytes'] / 1e9:.2f} GB ({res['params'] / 1e6:.1f}M params + {adam}, "
+             f"{res.get('dtype', 'float32')} on {where}), "
              f"batch {res['batch']}, {res['rounds']} rounds x {res['iters']} iterations after {res['warmup']} warm-up, "
              f"torch threads {res['torch_threads']} of {res['cpus']} CPUs, engine {res['engine_options'] or 'defaults'}",
-             f"compute per iteration (no checkpoint): {res['compute_seconds']:.2f} s; write alone: fp_core.save "
-             f"{w['fastpersist_save']:.2f} s, torch.save+fsync {w['torch_save']:.2f} s", ""]
+             f"compute per iteration (no checkpoint): {compute}; write alone: {alone}", ""]
     heads = ["", "step s (median)", "slowdown", "cost/ckpt s", "blocked/ckpt s", "vs torch.save", "CPU s/ckpt",
              "warm-up +s", "drain at end s"]
     table = []
     for r in res["modes"]:
+        if r.get("error"):
+            table.append([r["label"], "failed"] + ["-"] * (len(heads) - 2))
+            continue
         table.append([r["label"], f"{r['median_step']:.3f}",
                       "-" if r["slowdown"] is None else f"{100 * r['slowdown']:+.1f}%",
                       "-" if r.get("cost_per_ckpt") is None else f"{r['cost_per_ckpt']:+.3f}",
@@ -592,6 +739,9 @@ def format_async(res: dict[str, Any]) -> str:
     for t in [heads] + table:
         lines.append("  ".join(str(x).ljust(wd) if i == 0 else str(x).rjust(wd) for i, (x, wd) in enumerate(zip(t, widths))))
     for r in res["modes"]:
+        if r.get("error"):
+            lines.append(f"  {r['mode']} failed: {r['error']}")
+    for r in res["modes"]:
         if r.get("fp_stats"):
             s = r["fp_stats"]
             snap = f", snapshot {s['snapshot_seconds']:.2f} s" if s.get("snapshot_seconds") else ""
@@ -601,6 +751,8 @@ def format_async(res: dict[str, Any]) -> str:
                 snap += f"; live tensors moved to huge pages {s['huge_page_bytes'] / 1e9:.2f} GB"
             policies = s.get("policies") or [s["policy"]]
             runs = ", ".join(f"{p} x{policies.count(p)}" for p in dict.fromkeys(policies))
+            if s.get("device_copy_seconds"):
+                snap += f"; device-to-host staging {s['device_copy_seconds']:.2f} s"
             lines.append(f"  {r['mode']}: last save {s['seconds']:.2f} s in the background (write "
                          f"{s['write_seconds']:.2f} s{snap}, policy {s['policy']}; saves of the last round: {runs})")
     lines.append("slowdown per round (each against the no-checkpoint runs around it):")
@@ -620,7 +772,7 @@ def plot_async(res: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = res["modes"]
+    rows = [r for r in res["modes"] if not r.get("error")]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5))
     y = list(range(len(rows)))[::-1]
     ax.barh(y, [r["median_step"] for r in rows], color="#1f77b4", label="step time")

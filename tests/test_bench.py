@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -185,3 +186,144 @@ def test_calibration_lands_within_tolerance_of_a_nonlinear_step(monkeypatch):
     monkeypatch.setattr(ba.time, "perf_counter", lambda: Fake.now)
     batch = ba.calibrate_batch(Fake(), 2000.0)  # type: ignore[arg-type]
     assert abs(cost_ms(batch) - 2000.0) <= 0.05 * 2000.0
+
+
+# ---------------------------------------------------------------- device options (issue #16)
+
+
+def test_async_bench_dry_run_for_cuda_needs_no_device(tmp_path):
+    """The GPU command line of benchmarks/gpu_check.sh parses and sizes itself anywhere."""
+    from fp_core.bench_async import checkpoint_bytes
+
+    args = ["--async", "--device", "cuda", "--dtype", "bfloat16", "--adam", "fused", "--width", "8192", "--layers", "14",
+            "--modes", "none,auto,overlap,snapshot,torch,lightning,dcp", "--iters", "2", "--warmup", "1",
+            "--rounds", "1", "--no-write-probe", "--dry-run", "--dir", str(tmp_path / "a")]
+    plan = _bench(args, cwd=str(tmp_path))
+    assert plan["dry_run"] and plan["device"] == "cuda" and plan["dtype"] == "bfloat16" and plan["adam"] == "fused"
+    assert plan["checkpoint_bytes"] == checkpoint_bytes(8192, 14, torch.bfloat16) > 5e9
+    assert plan["modes"] == ["none", "auto", "overlap", "snapshot", "torch", "lightning", "dcp"]
+    assert plan["write_probe"] is False
+    assert not (tmp_path / "a").exists()  # nothing built, nothing written
+    out = subprocess.run([sys.executable, "-m", "fp_core.cli", "bench", *args], cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0 and out.stdout.startswith("dry run: MLP 14x8192 bfloat16 on cuda (939.6M params + "
+                                                         "fused Adam)"), out.stdout + out.stderr
+
+
+def test_sync_bench_dry_run_for_cuda(tmp_path):
+    plan = _bench(["--device", "cuda", "--size", "4GiB", "--only", "device,torch,fastpersist,load_torch,load_fastpersist",
+                   "--dry-run", "--dir", str(tmp_path / "s")], cwd=str(tmp_path))
+    assert plan["dry_run"] and plan["device"] == "cuda" and plan["size_bytes"] == 4 << 30
+    assert plan["rows"] == ["device", "torch", "fastpersist", "load_torch", "load_fastpersist"]
+    assert not (tmp_path / "s").exists()
+    out = subprocess.run([sys.executable, "-m", "fp_core.bench", "--only", "nope", "--dry-run"], cwd=str(tmp_path),
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode != 0 and "unknown rows" in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+@pytest.mark.parametrize("extra", [["--async"], []], ids=["async", "sync"])
+def test_device_cuda_without_a_gpu_is_refused_with_a_reason(tmp_path, extra):
+    out = subprocess.run([sys.executable, "-m", "fp_core.bench", *extra, "--device", "cuda", "--size", "1MiB",
+                          "--dir", str(tmp_path / "x")], cwd=str(tmp_path), capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode != 0 and "no CUDA device here" in out.stderr
+
+
+def test_checkpoint_bytes_matches_the_trainers_checkpoint():
+    from fp_core.bench import payload_bytes
+    from fp_core.bench_async import Trainer, checkpoint_bytes
+
+    for dtype, fused in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
+        tr = Trainer(64, 3, 4, dtype=dtype, fused_adam=fused)
+        tr.step()
+        assert tr.model[0].weight.dtype == dtype
+        assert payload_bytes(tr.state()) == checkpoint_bytes(64, 3, dtype)
+        steps = [v["step"] for v in tr.opt.state_dict()["state"].values()]
+        assert all(s.dtype == torch.float32 for s in steps)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_async_bench_dtype_json_out_and_no_write_probe(tmp_path):
+    from fp_core.bench_async import checkpoint_bytes, format_async
+
+    json_out = tmp_path / "res.json"
+    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,overlap", "--iters", "1", "--warmup", "0",
+                  "--rounds", "1", "--width", "64", "--layers", "2", "--batch", "8", "--dtype", "bfloat16",
+                  "--no-write-probe", "--json-out", str(json_out)], cwd=str(tmp_path))
+    assert res["dtype"] == "bfloat16" and res["device"] == "cpu" and res["write_alone_seconds"] is None
+    assert res["checkpoint_bytes"] == checkpoint_bytes(64, 2, torch.bfloat16)
+    assert json.loads(json_out.read_text()) == res
+    text = format_async(res)
+    assert "write alone: not measured" in text and "bfloat16 on cpu" in text
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_a_failing_mode_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    import fp_core.bench_async as ba
+    from fp_core.bench import add_arguments
+
+    def boom(self, tr):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ba.TorchSync, "save", boom)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,torch,overlap", "--iters", "1",
+                              "--warmup", "0", "--rounds", "2", "--width", "32", "--layers", "2", "--batch", "4",
+                              "--no-write-probe"])
+    logged: list[str] = []
+    assert ba.run_async(args, logged.append) == 0
+    out = capsys.readouterr().out
+    assert "failed" in out and "No space left on device" in out
+    assert sum("torch failed" in line for line in logged) == 1  # not retried in round 2
+    assert any(line.strip().startswith("overlap: step median") for line in logged)  # per-run progress lines
+    args.json = True
+    assert ba.run_async(args, logged.append) == 0
+    res = json.loads(capsys.readouterr().out)
+    modes = {m["mode"]: m for m in res["modes"]}
+    assert modes["torch"]["error"].startswith("OSError")
+    assert len(modes["overlap"]["slowdown_per_round"]) == 2 and modes["overlap"]["blocked_vs_torch_save"] is None
+    assert len(modes["none"]["step_seconds"]) == 2 * 2  # per round: before and after overlap (torch ran none)
+    assert all(not t["target"].startswith("torch") for t in res["targets"])
+    assert os.listdir(tmp_path / "a") == []
+
+
+def test_calibration_caps_the_batch_and_starts_where_told(monkeypatch):
+    import fp_core.bench_async as ba
+
+    seen: list[int] = []
+
+    class Fake:
+        now = 0.0
+
+        def set_batch(self, b: int) -> None:
+            self.b = b
+            seen.append(b)
+
+        def step(self) -> None:
+            Fake.now += (3 + 0.1 * self.b) / 1e3  # launch-bound below ~30, then linear, as on a GPU
+
+    monkeypatch.setattr(ba.time, "perf_counter", lambda: Fake.now)
+    assert ba.calibrate_batch(Fake(), 1500.0, start=(64, 1024), max_batch=5000) == 5000  # 14970 wanted
+    assert seen[:2] == [64, 1024] and max(seen) <= 5000
+    seen.clear()
+    batch = ba.calibrate_batch(Fake(), 1500.0, start=(64, 1024))
+    assert abs(3 + 0.1 * batch - 1500) <= 0.05 * 1500
+
+
+def test_sync_bench_json_out_names_the_device(tmp_path):
+    json_out = tmp_path / "sync.json"
+    res = _bench(["--size", "4MiB", "--repeat", "1", "--warmup-rounds", "0", "--dir", str(tmp_path / "s"),
+                  "--only", "torch,fastpersist,load_fastpersist", "--json-out", str(json_out)], cwd=str(tmp_path))
+    assert res["device"] == "cpu" and json.loads(json_out.read_text()) == res
+    assert {r["key"] for r in res["rows"]} == {"torch", "fastpersist", "load_fastpersist"}
+
+
+@pytest.mark.parametrize("script,flags", [("lightning_finetune.py", ("--accelerator", "--devices", "--large")),
+                                          ("hf_finetune.py", ("--device", "--large"))])
+def test_examples_take_a_device(script, flags):
+    out = subprocess.run([sys.executable, os.path.join(REPO, "examples", script), "--help"], capture_output=True,
+                         text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert all(f in out.stdout for f in flags), out.stdout
