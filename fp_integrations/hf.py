@@ -136,7 +136,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
 from fp_core import remote as fp_remote
-from fp_core.commit import fsync_dir
+from fp_core.commit import fsync_dir, fsync_file
 from fp_core.pipeline import AsyncCheckpointer
 
 log = logging.getLogger("fastpersist.hf")
@@ -193,18 +193,6 @@ def intercept_safetensors_writes(ckptr: AsyncCheckpointer, handles: list) -> Ite
 # ---------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    fsync_dir(path)
-
-
 def _fallback_reason(trainer: Any) -> str | None:
     """Why this trainer must keep the stock save, or None when we can take over."""
     args = trainer.args
@@ -224,8 +212,10 @@ def _fallback_reason(trainer: Any) -> str | None:
         pass
     if getattr(args, "push_to_hub", False):
         return "push_to_hub is set (checkpoint uploads are not handled by FastPersist)"
-    if type(trainer)._save_checkpoint is not Trainer._save_checkpoint:
-        return f"{type(trainer).__name__} overrides _save_checkpoint"
+    # FastPersist writes these itself: a subclass's own version would be silently skipped.
+    for name in ("_save_checkpoint", "_save_optimizer_and_scheduler", "_save_scaler"):
+        if getattr(type(trainer), name, None) is not getattr(Trainer, name, None):
+            return f"{type(trainer).__name__} overrides {name}"
     return None
 
 
@@ -285,6 +275,11 @@ class FastPersistCallback(TrainerCallback):
             default: fsspec's own configuration.
         keep_local: with ``remote_dir``, keep the local copies after upload (default
             False: removed once uploaded, except the best model checkpoint).
+        wait_on_save: the Trainer calls every callback's ``on_save`` right after the save
+            returns, and callbacks that read the checkpoint there (experiment trackers
+            uploading ``checkpoint-N``) must find it committed. "auto" (default): wait for
+            the commit when another callback overrides ``on_save``; True: always; False:
+            never (the checkpoint appears once written, after ``on_save``).
         **engine_options: fp_core engine options (backend, queue_depth, ...) and other
             ``AsyncCheckpointer`` options (``huge_pages``, ``collapse_live_tensors``,
             ``snapshot_budget_bytes``, ...).
@@ -293,13 +288,17 @@ class FastPersistCallback(TrainerCallback):
     def __init__(self, trainer: Trainer | None = None, *, policy: str = "auto", max_in_flight: int = 1,
                  on_error: str = "raise", fence_on_step_begin: bool | str = "auto",
                  remote_dir: str | None = None, storage_options: dict | None = None, keep_local: bool = False,
-                 verify_on_resume: bool = True, all_ranks_write: bool = False, **engine_options: Any) -> None:
+                 verify_on_resume: bool = True, all_ranks_write: bool = False, wait_on_save: bool | str = "auto",
+                 **engine_options: Any) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         if fence_on_step_begin not in (True, False, "auto"):
             raise ValueError("fence_on_step_begin must be True, False or 'auto'")
+        if wait_on_save not in (True, False, "auto"):
+            raise ValueError("wait_on_save must be True, False or 'auto'")
+        self.wait_on_save = wait_on_save
         self.policy = policy
         self.max_in_flight = max_in_flight
         self.on_error = on_error
@@ -326,8 +325,8 @@ class FastPersistCallback(TrainerCallback):
         self._fence_step_begin = False
         self._pending: list[CheckpointRecord] = []
         self._scheduled: set[str] = set()  # checkpoints started and not (yet) known failed
-        self._reported: set[int] = set()
         self._installed_on: Trainer | None = None
+        self._logged_on_save = False
         self._warned_no_trainer = False
         if trainer is not None:
             self.attach(trainer)
@@ -353,8 +352,10 @@ class FastPersistCallback(TrainerCallback):
         return self
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> Any:
-        """Resume: check the checkpoint's bytes against their checksums before loading any."""
-        if self.verify_on_resume:
+        """Resume: check the checkpoint's bytes against their checksums before loading any.
+        A path that is not a directory gets the Trainer's own error ("Can't find a valid
+        checkpoint at ...", a ValueError user code catches)."""
+        if self.verify_on_resume and os.path.isdir(resume_from_checkpoint):
             verify_checkpoint_dir(resume_from_checkpoint)
         return Trainer._load_from_checkpoint(self.trainer, resume_from_checkpoint, model)
 
@@ -402,14 +403,16 @@ class FastPersistCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ errors
     def _handle_error(self, e: BaseException, what: str) -> None:
-        if id(e) in self._reported:
+        # Marked on the exception itself: an id() could be reused by a later failure.
+        if getattr(e, "_fastpersist_reported", False):
             return
-        self._reported.add(id(e))
+        with contextlib.suppress(AttributeError):
+            e._fastpersist_reported = True  # type: ignore[attr-defined]
         if self.on_error == "raise":
             raise e
-        log.warning("FastPersist: %s failed: %s: %s (training continues; on_error='warn')",
-                    what, type(e).__name__, e)
-        warnings.warn(f"FastPersist: {what} failed: {type(e).__name__}: {e}", stacklevel=3)
+        msg = f"FastPersist: {what} failed: {type(e).__name__}: {e}"
+        log.warning("%s (training continues; on_error='warn')", msg)  # the text, not the exception: never kept alive
+        warnings.warn(msg, stacklevel=3)
 
     def _reap(self) -> None:
         """Account for committed / failed checkpoints (main thread)."""
@@ -435,7 +438,7 @@ class FastPersistCallback(TrainerCallback):
         t0 = time.perf_counter()
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001
+        except Exception as e:  # KeyboardInterrupt / SystemExit go on up, whatever on_error says
             self._reap()
             self._handle_error(e, what)
         finally:
@@ -622,7 +625,7 @@ class FastPersistCallback(TrainerCallback):
                 sync_files = [os.path.join(staging, n) for n in sorted(os.listdir(staging))
                               if n not in written_async and not n.endswith(".fptmp")
                               and os.path.isfile(os.path.join(staging, n))]
-        except BaseException as e:  # noqa: BLE001 - reported below, after the ranks agree
+        except Exception as e:  # reported below, after the ranks agree
             error = e
 
         # 5. commit (+ rotation) on the background worker, strictly after this checkpoint's writes
@@ -645,22 +648,36 @@ class FastPersistCallback(TrainerCallback):
                 upload = functools.partial(self._upload, rec, best, save_total_limit)
                 upload.__name__ = f"upload {checkpoint_folder} to {rec.remote}"  # type: ignore[attr-defined]
                 rec.upload = self.checkpointer.enqueue(upload, after=[rec.commit])
-        except BaseException as e:  # noqa: BLE001
+        except Exception as e:
             error = error or e
         if error is not None and rec.commit is None and should_save:
             shutil.rmtree(staging, ignore_errors=True)
-        rec.blocked_seconds = time.perf_counter() - t0
         self.records.append(rec)
         if rec.commit is not None:
             self._pending.append(rec)
             self._scheduled.add(final)
         if error is not None:
+            rec.blocked_seconds = time.perf_counter() - t0
             rec.ok, rec.error = False, f"{type(error).__name__}: {error}"
             self._scheduled.discard(final)
             self._handle_error(error, f"checkpoint {final}")
             return
         if jit:  # JIT (SIGTERM) checkpoint: the process is about to go away, make it durable now
             self.wait()
+        elif self._must_commit_before_on_save(tr):
+            self._call(rec.commit.result, f"checkpoint {final}")
+        rec.blocked_seconds = time.perf_counter() - t0
+
+    def _must_commit_before_on_save(self, tr: Trainer) -> bool:
+        if self.wait_on_save is not True and self.wait_on_save is not False:  # "auto"
+            readers = [type(cb).__name__ for cb in tr.callback_handler.callbacks
+                       if cb is not self and type(cb).on_save is not TrainerCallback.on_save]
+            if readers and not self._logged_on_save:
+                self._logged_on_save = True
+                log.info("FastPersist: %s handle on_save; each checkpoint is committed before the Trainer "
+                         "calls it (wait_on_save=False to keep saves fully asynchronous)", ", ".join(readers))
+            return bool(readers)
+        return self.wait_on_save
 
     def _check_pending_errors(self) -> None:
         """Surface background failures of earlier checkpoints before starting a new one, so
@@ -683,10 +700,12 @@ class FastPersistCallback(TrainerCallback):
         if ok:
             try:
                 for p in sync_files:
-                    _fsync_file(p)
+                    fsync_file(p)
             except OSError:
                 ok = False
                 if not distributed:
+                    if should_save:  # nothing will commit it: the checkpoint-sized staging goes
+                        shutil.rmtree(rec.staging, ignore_errors=True)
                     raise
         if distributed:
             flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
@@ -757,14 +776,14 @@ class FastPersistCallback(TrainerCallback):
 
     @staticmethod
     def _publish(staging: str, final: str, run_dir: str) -> None:
-        _fsync_dir(staging)
+        fsync_dir(staging)
         replaced = None
         if os.path.lexists(final):  # saving a step again (rerun, JIT sentinel dir): replace it
             replaced = os.path.join(run_dir, _REPLACED_PREFIX + os.path.basename(final))
             shutil.rmtree(replaced, ignore_errors=True)
             os.rename(final, replaced)
         os.rename(staging, final)
-        _fsync_dir(run_dir)
+        fsync_dir(run_dir)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
 
@@ -791,10 +810,10 @@ def verify_checkpoint_dir(path: str) -> int:
             checked += 1
             continue
         if not zipfile.is_zipfile(f):
-            if name in (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME):  # always torch.save zips
+            if name in (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME) and _starts_like_a_zip(f):
                 raise CorruptCheckpointError(f, "<zip structure>", f"not a complete zip file (truncated?); "
                                              f"refusing to resume from {path}")
-            continue  # json, text, legacy pickles: nothing to check them against
+            continue  # json, text, torch's legacy (non-zip) format: nothing to check them against
         try:
             verify(f)
             checked += 1
@@ -804,6 +823,11 @@ def verify_checkpoint_dir(path: str) -> int:
             raise CorruptCheckpointError(e.path, e.record, f"{e.detail}; refusing to resume from {path}",
                                          tensor=e.tensor) from e
     return checked
+
+
+def _starts_like_a_zip(f: str) -> bool:
+    with open(f, "rb") as fh:
+        return fh.read(4) == b"PK\x03\x04"
 
 
 def _check_safetensors(f: str) -> None:
@@ -838,7 +862,7 @@ def _recover_output_dir(output_dir: str) -> None:
                 continue
         if name.startswith((STAGING_PREFIX, _REPLACED_PREFIX, _DELETING_PREFIX)):
             shutil.rmtree(path, ignore_errors=True)
-    _fsync_dir(output_dir)
+    fsync_dir(output_dir)
 
 
 def _rotate_checkpoints_atomically(run_dir: str, save_total_limit: int | None, best: str | None) -> None:
@@ -862,7 +886,7 @@ def _rotate_checkpoints_atomically(run_dir: str, save_total_limit: int | None, b
             doomed.append(gone)
             remaining -= 1
     if doomed:
-        _fsync_dir(run_dir)
+        fsync_dir(run_dir)
     for gone in doomed:
         shutil.rmtree(gone, ignore_errors=True)
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+import zipfile
 
 import pytest
 
@@ -492,3 +493,132 @@ def test_checkpointer_options_pass_through():
         assert ckpt.options.queue_depth == 4
     finally:
         ckpt.close()
+
+
+# ------------------------------------------------------------------------------ stock behaviour kept
+
+
+@pytest.mark.parametrize("where", ["missing", "missing/in/missing/dir", "a file"])
+def test_resume_from_a_path_that_is_not_a_checkpoint_raises_stocks_value_error(tmp_path, where):
+    """User code catches stock's ValueError("Can't find a valid checkpoint at ...")."""
+    target = tmp_path / where
+    if where == "a file":
+        target.write_text("not a checkpoint")
+    for fp in (False, True):
+        t, _ = make_trainer(tmp_path / f"o{fp}", fp=fp, max_steps=2)
+        with pytest.raises(ValueError, match="Can't find a valid checkpoint at"):
+            t.train(resume_from_checkpoint=str(target))
+
+
+def test_resume_from_legacy_format_optimizer_and_scheduler(tmp_path):
+    """optimizer.pt / scheduler.pt in torch's legacy (non-zip) format load with stock: not refused."""
+    t, _ = make_trainer(tmp_path / "o", fp=True, max_steps=2)
+    t.train()
+    ck = tmp_path / "o" / "checkpoint-2"
+    for name in ("optimizer.pt", "scheduler.pt"):
+        obj = torch.load(ck / name, weights_only=False)
+        torch.save(obj, ck / name, _use_new_zipfile_serialization=False)
+        assert not zipfile.is_zipfile(ck / name)
+    t2, _ = make_trainer(tmp_path / "o", fp=True, max_steps=4)
+    t2.train(resume_from_checkpoint=str(ck))
+    assert t2.state.global_step == 4
+    with open(ck / "optimizer.pt", "r+b") as f:  # a truncated *zip* is still refused
+        f.truncate(0)
+        f.write(b"PK\x03\x04" + b"\x00" * 60)
+    from fp_core import CorruptCheckpointError
+
+    t3, _ = make_trainer(tmp_path / "o", fp=True, max_steps=4)
+    with pytest.raises(CorruptCheckpointError, match="optimizer.pt"):
+        t3.train(resume_from_checkpoint=str(ck))
+
+
+class _ReadsCheckpointOnSave(TrainerCallback):
+    """An experiment tracker: reads checkpoint-{step} in on_save, as WandB/MLflow/Neptune do."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_save(self, args, state, control, **kwargs):
+        d = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.seen.append(sorted(os.listdir(d)) if os.path.isdir(d) else None)
+
+
+@pytest.mark.parametrize("wait_on_save", ["auto", False])
+def test_on_save_callbacks_find_the_checkpoint_committed(tmp_path, wait_on_save):
+    reader = _ReadsCheckpointOnSave()
+    t, cb = make_trainer(tmp_path / "o", fp=True, max_steps=4, callbacks=[reader],
+                         cb_kwargs={"wait_on_save": wait_on_save})
+    t.train()
+    if wait_on_save == "auto":
+        assert reader.seen == [sorted(CKPT_FILES)] * 2
+    assert checkpoints(tmp_path / "o") == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_saves_stay_asynchronous_without_on_save_readers(tmp_path):
+    t, cb = make_trainer(tmp_path / "o", fp=True, max_steps=4)
+    assert not cb._must_commit_before_on_save(t)
+
+
+@pytest.mark.parametrize("method", ["_save_optimizer_and_scheduler", "_save_scaler"])
+def test_fallback_for_subclass_overriding_what_fastpersist_writes(tmp_path, method):
+    calls = []
+
+    def override(self, output_dir):
+        calls.append(output_dir)
+        return getattr(Trainer, method)(self, output_dir)
+
+    MyTrainer = type("MyTrainer", (Trainer,), {method: override})
+    cb = FastPersistCallback()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        t = MyTrainer(model=tiny_bert(), args=make_args(tmp_path / "o", max_steps=2), train_dataset=TokenDataset(),
+                      callbacks=[cb])
+    assert any(f"overrides {method}" in str(x.message) for x in w) and not cb.active
+    t.train()
+    assert checkpoints(tmp_path / "o") == ["checkpoint-2"]
+    if method == "_save_optimizer_and_scheduler":
+        assert calls
+
+
+# ------------------------------------------------------------------------------ error policy
+
+
+def test_keyboard_interrupt_is_never_a_warning(tmp_path):
+    t, cb = make_trainer(tmp_path / "o", fp=True, max_steps=2, cb_kwargs={"on_error": "warn"})
+    t.train()
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        cb._call(interrupted, "fence")
+    with pytest.raises(SystemExit):
+        cb._call(lambda: sys.exit(3), "wait")
+
+
+def test_each_failure_is_reported_even_when_an_id_is_reused(tmp_path):
+    t, cb = make_trainer(tmp_path / "o", fp=True, max_steps=2, cb_kwargs={"on_error": "warn"})
+    ids = set()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for i in range(20):  # each freed before the next is made: CPython hands out the same id again
+            e = RuntimeError(f"failure {i}")
+            ids.add(id(e))
+            cb._handle_error(e, "save")
+            cb._handle_error(e, "save again")  # one failure is reported once
+            del e
+    assert [str(x.message) for x in w] == [f"FastPersist: save failed: RuntimeError: failure {i}" for i in range(20)]
+    assert len(ids) < 20, "no id was reused: the test did not test anything"
+
+
+def test_failed_fsync_of_a_staged_checkpoint_leaves_no_staging(tmp_path, monkeypatch):
+    import fp_integrations.hf as hf
+
+    def no_fsync(path):
+        raise OSError(5, "Input/output error", path)
+
+    monkeypatch.setattr(hf, "fsync_file", no_fsync)  # the inline files (json, rng) fail to sync
+    t, cb = make_trainer(tmp_path / "o", fp=True, max_steps=2)
+    with pytest.raises(Exception, match="Input/output error"):
+        t.train()
+    assert checkpoints(tmp_path / "o") == [] and no_staging(tmp_path / "o")
