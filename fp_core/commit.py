@@ -177,6 +177,12 @@ class TempFile:
         raise OSError(errno.EAGAIN, "could not create a temporary file that stays (something keeps removing "
                       "them)", os.path.dirname(final))
 
+    def fileno(self) -> int:
+        """A descriptor of the file being written (valid until published or aborted)."""
+        if self._held is None:
+            raise ValueError(f"temporary file of {self.final} is closed")
+        return self._held
+
     @property
     def engine_path(self) -> str:
         """The path the engine's errors name (the directory of an unnamed file)."""

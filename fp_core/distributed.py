@@ -416,6 +416,52 @@ def save_sharded(obj: Any, path: str | os.PathLike, group: Any = None, *,
         if not status[0] and own_error is not None:
             raise own_error
         raise CollectiveSaveError(f"sharded save of {os.fspath(path)} not committed: {'; '.join(failed)}")
-    prepared.publish()
-    _all_gather((True, ""), cg)  # every rank's file is in place before anyone returns
+    # Every file is durable under its temporary name. Publish, keeping each rank's previous
+    # file aside until every rank has published: a rank whose rename or directory fsync
+    # fails makes every rank put its previous file back (or remove the new one).
+    final = prepared.final
+    new_inode = os.fstat(prepared.temp.fileno()).st_ino
+    previous = None
+    status, own_error = (True, ""), None
+    try:
+        if os.path.lexists(final):
+            previous = commit.temp_path(final)
+            os.link(final, previous)
+        prepared.publish()
+    except Exception as e:  # noqa: BLE001 - agreed on below
+        status, own_error = (False, f"{type(e).__name__}: {e}"), e
+    try:
+        statuses = _all_gather(status, cg)
+    except BaseException:
+        _restore(final, previous, new_inode)
+        raise
+    failed = _failures(statuses)
+    if failed:
+        _restore(final, previous, new_inode)
+        if own_error is not None:
+            raise own_error
+        raise CollectiveSaveError(f"sharded save of {os.fspath(path)} not committed (previous files kept): "
+                                  f"{'; '.join(failed)}")
+    if previous is not None:
+        commit.discard(previous)
     return stats
+
+
+def _restore(final: str, previous: str | None, new_inode: int) -> None:
+    """Undo this rank's publish: the previous file back under ``final``, or no file where
+    there was none (only if what is there is ours)."""
+    try:
+        if previous is not None:
+            if os.path.lexists(final) and os.path.samefile(previous, final):
+                os.unlink(previous)  # never replaced: rename() of two links to one file does nothing
+            else:
+                os.replace(previous, final)
+        else:
+            try:
+                if os.stat(final).st_ino == new_inode:
+                    os.unlink(final)
+            except FileNotFoundError:
+                pass
+        commit.fsync_dir(os.path.dirname(final))
+    except OSError as e:
+        log.error("fastpersist: could not restore %s after a failed sharded save: %s", final, e)

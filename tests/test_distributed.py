@@ -142,6 +142,20 @@ def test_sharded_failure_commits_nothing(ddir):
     assert _no_temp_files(ddir) == []
 
 
+@pytest.mark.parametrize("where", ["rename", "dirsync"])
+def test_sharded_publish_failure_on_one_rank_keeps_every_previous_file(ddir, where):
+    """save_sharded is all or nothing at publish too: a rank whose rename (or the directory
+    fsync after it) fails makes every rank keep its previous file."""
+    results = run_ranks(f"sharded_publish_fail:{where}", 2, ddir)
+    assert results[1]["ok"] is False and "injected" in results[1]["error"], results
+    assert results[0]["ok"] is False and "rank 1" in results[0]["error"], results
+    for r in range(2):
+        got = torch.load(os.path.join(ddir, f"shard{r}.pt"))
+        assert got["gen"] == 1 and torch.equal(got["shard"], torch.full((1000,), float(r)))
+        fp_core.verify(os.path.join(ddir, f"shard{r}.pt"))
+    assert _no_temp_files(ddir) == []
+
+
 def test_failing_rank_makes_every_rank_raise(ddir):
     results = run_ranks("fail", 2, ddir)
     assert results[0]["ok"] is False and "rank 1" in results[0]["error"]

@@ -70,6 +70,25 @@ def main() -> None:
                 _native.inject_fault("write", errno=5)
             fp_core.save({"shard": torch.full((1000,), float(rank))}, os.path.join(d, f"shard{rank}.pt"),
                          group=dist.group.WORLD, sharded=True)
+        elif scenario.startswith("sharded_publish_fail:"):
+            # generation 1 commits; generation 2 fails on rank 1 at its rename, or after it at
+            # the directory fsync: every rank must keep generation 1
+            where = scenario.split(":", 1)[1]
+            shard = os.path.join(d, f"shard{rank}.pt")
+            fp_core.save({"gen": 1, "shard": torch.full((1000,), float(rank))}, shard, group=dist.group.WORLD,
+                         sharded=True)
+            if rank == 1:
+                name = "publish" if where == "rename" else "fsync_dir"
+                orig = getattr(fp_core.commit, name)
+
+                def failing(*a, **k):
+                    if where == "dirsync":
+                        orig(*a, **k) if name == "publish" else None
+                    raise OSError(5, f"injected {where} failure", shard)
+
+                setattr(fp_core.commit, name, failing)
+            fp_core.save({"gen": 2, "shard": torch.full((1000,), float(rank))}, shard, group=dist.group.WORLD,
+                         sharded=True)
         elif scenario == "async":
             # Collective saves through the async pipeline while "training" continues.
             model = torch.nn.Linear(512, 512)
