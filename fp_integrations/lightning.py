@@ -31,11 +31,15 @@ What the plugin does
   is given a closure (Lightning's automatic optimization runs forward and backward inside
   ``optimizer.step(closure)``) the fence runs after the closure, so the write overlaps the
   next forward and backward. Small tensors (BatchNorm statistics) are copied at save time.
-* A save is *blocking* (durable before ``save_checkpoint`` returns) when asked with
-  ``storage_options={"blocking": True}``, for SLURM requeue saves (``hpc_ckpt_*.ckpt``,
-  the process dies next), for the ``ddp_spawn`` hand-back file (``.temp.ckpt``), and for
-  any save after ``teardown()`` until training resumes (the next optimizer step): a
-  ``trainer.save_checkpoint`` after ``fit()`` is complete when it returns.
+* A save is asynchronous only while training runs and is *blocking* (durable before
+  ``save_checkpoint`` returns) when no training step comes after it: a
+  ``trainer.save_checkpoint`` before or after ``fit()`` or in ``validate``/``test``, a save
+  by Fabric or by hand before any optimizer step (or after ``teardown()``), and a save made
+  through a wrapping ``CheckpointIO`` such as Lightning's ``AsyncCheckpointIO`` (the
+  wrapper is the background; no wrapper passes ``teardown()`` on, so nothing may be left
+  pending when ``fit`` ends). Also when asked with ``storage_options={"blocking": True}``,
+  for SLURM requeue saves (``hpc_ckpt_*.ckpt``, the process dies next) and for the
+  ``ddp_spawn`` hand-back file (``.temp.ckpt``).
 * While a save is pending its final name already exists (an empty placeholder marked with
   an extended attribute, replaced atomically by the finished file), so ``ModelCheckpoint``'s
   existence checks (the ``-v1`` version counter, ``save_last``) behave exactly as with the
@@ -236,7 +240,9 @@ class _FastPersistIOImpl:
         self._unlogged: deque = deque()  # for FastPersistCallback(log_stats=True)
         self._hook: Any = None
         self._hook_finalizer: Any = None
-        self._torn_down = False
+        # No training step seen since this plugin was made or torn down: a save now has no
+        # step after it to overlap, so it completes before returning (see _must_block).
+        self._torn_down = True
         self.save_call_seconds: list[float] = []  # training-thread time inside each save_checkpoint
         self.fence_seconds = 0.0  # training-thread time spent waiting at fences
         self.fence_count = 0  # fences run (optimizer steps while a checkpointer exists)
@@ -244,6 +250,7 @@ class _FastPersistIOImpl:
         # DDP with FastPersistCallback: every rank writes a share of each checkpoint.
         self._collective = False
         self._collective_next: Any = None  # the checkpoint dict rank 0 will receive next
+        self._install_hook()  # an optimizer step from now on means training is running
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -268,7 +275,7 @@ class _FastPersistIOImpl:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         name = path.rstrip("/").rsplit("/", 1)[-1]
         self._install_hook()  # the next optimizer step marks training as running (see teardown)
-        if not self.async_save or self._torn_down or _HPC_NAME.match(name) or name == _SPAWN_TEMP_NAME:
+        if not self.async_save or _HPC_NAME.match(name) or name == _SPAWN_TEMP_NAME or self._must_block():
             blocking = True
         try:
             with self._lock:
@@ -357,6 +364,34 @@ class _FastPersistIOImpl:
         finally:
             with self._lock:
                 self._sweep(final=True)
+
+    def _must_block(self) -> bool:
+        """Is no training step coming after this save for it to overlap?
+
+        * Called by a wrapping ``CheckpointIO`` (Lightning's ``AsyncCheckpointIO`` calls us on
+          its own thread, and no wrapper passes ``teardown()`` on): the wrapper is the
+          background, so the save completes here and nothing is left pending at the end
+          of ``fit``.
+        * Called by a Lightning ``Trainer``: asynchronous only while it is fitting
+          (``trainer.save_checkpoint()`` before or after ``fit``, in ``validate``/``test``:
+          complete when it returns, as ``load_from_checkpoint`` reads the file next).
+        * Otherwise (Fabric, direct calls): asynchronous once an optimizer step has run since
+          this plugin was made or torn down.
+        """
+        io_bases = tuple(c for c in type(self).__mro__ if c.__name__ == "CheckpointIO")
+        frame = sys._getframe(2)
+        for _ in range(16):
+            if frame is None:
+                break
+            obj = frame.f_locals.get("self")
+            if obj is not None and obj is not self:
+                if isinstance(obj, io_bases) and getattr(obj, "_checkpoint_io", None) is self:
+                    return True  # a CheckpointIO wrapping this one
+                state = getattr(obj, "state", None)
+                if hasattr(obj, "strategy") and hasattr(state, "fn") and hasattr(state, "status"):
+                    return not (state.fn == "fit" and state.status == "running")  # a Trainer
+            frame = frame.f_back
+        return self._torn_down
 
     # ------------------------------------------------------------------ extras
     def wait(self) -> None:
@@ -712,13 +747,17 @@ else:
 
     __all__ += ["FastPersistIO", "FastPersistCallback", "FastPersistModelCheckpoint"]
 
-try:  # the ``pytorch_lightning`` package (with ``lightning_fabric``)
+# The ``pytorch_lightning`` package (with ``lightning_fabric``): its classes are made on first
+# use. Importing pytorch_lightning points lightning_utilities' rank_zero logger at
+# ``pytorch_lightning``'s, so a ``lightning.pytorch`` user would stop seeing Lightning's own
+# messages in their logging setup just because this module was imported.
+_PL_NAMES = ("PLFastPersistIO", "PLFastPersistCallback", "PLFastPersistModelCheckpoint")
+
+
+def _make_pl_classes() -> dict[str, type]:
     from lightning_fabric.plugins.io.checkpoint_io import CheckpointIO as _PLCheckpointIO
     from pytorch_lightning.callbacks import Callback as _PLCallback
     from pytorch_lightning.callbacks import ModelCheckpoint as _PLModelCheckpoint
-except ImportError:  # pragma: no cover
-    _PLCheckpointIO = None
-else:
 
     class PLFastPersistIO(_FastPersistIOImpl, _PLCheckpointIO):
         """FastPersist ``CheckpointIO`` for ``pytorch_lightning.Trainer`` and ``lightning_fabric.Fabric``."""
@@ -729,12 +768,20 @@ else:
     class PLFastPersistModelCheckpoint(_FastPersistModelCheckpointImpl, _PLModelCheckpoint):
         __doc__ = _FastPersistModelCheckpointImpl.__doc__
 
-    __all__ += ["PLFastPersistIO", "PLFastPersistCallback", "PLFastPersistModelCheckpoint"]
+    made = {c.__name__: c for c in (PLFastPersistIO, PLFastPersistCallback, PLFastPersistModelCheckpoint)}
+    for c in made.values():  # pickled by name (ddp_spawn): fp_integrations.lightning.PLFastPersistIO
+        c.__module__, c.__qualname__ = __name__, c.__name__
+    return made
 
 
 def __getattr__(name: str) -> Any:
+    if name in _PL_NAMES:
+        try:
+            made = _make_pl_classes()
+        except ImportError:
+            raise ImportError(f"{name} needs the 'pytorch_lightning' package: pip install pytorch-lightning") from None
+        globals().update(made)
+        return made[name]
     if name in ("FastPersistIO", "FastPersistCallback", "FastPersistModelCheckpoint"):
         raise ImportError(f"{name} needs the 'lightning' package: pip install lightning")
-    if name in ("PLFastPersistIO", "PLFastPersistCallback", "PLFastPersistModelCheckpoint"):
-        raise ImportError(f"{name} needs the 'pytorch_lightning' package: pip install pytorch-lightning")
     raise AttributeError(name)

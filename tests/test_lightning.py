@@ -121,6 +121,7 @@ class CapturingIO(FastPersistIO):
 
 def test_plugin_pickles_before_and_after_use(tmp_path):
     io = FastPersistIO(policy="overlap", max_in_flight=2, on_error="warn", queue_depth=8)
+    training_running()
     io2 = pickle.loads(pickle.dumps(io))
     assert (io2.policy, io2.max_in_flight, io2.on_error, io2.engine_options) == ("overlap", 2, "warn", {"queue_depth": 8})
     io.save_checkpoint({"w": torch.randn(1000, 1000)}, tmp_path / "a.ckpt")
@@ -130,8 +131,17 @@ def test_plugin_pickles_before_and_after_use(tmp_path):
     assert torch.equal(torch.load(tmp_path / "a.ckpt")["w"], io.load_checkpoint(tmp_path / "a.ckpt")["w"])
 
 
+def training_running() -> None:
+    """An optimizer step, as training makes: the plugin's saves are asynchronous from now on."""
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.sum().backward()
+    opt.step()
+
+
 def test_save_load_remove_semantics(tmp_path):
     io = FastPersistIO()
+    training_running()
     big = {"w": torch.randn(2048, 2048), "step": 1}
     p = tmp_path / "sub" / "dir" / "x.ckpt"  # parent directories are created
     io.save_checkpoint(big, p)
@@ -162,6 +172,7 @@ def test_save_load_remove_semantics(tmp_path):
 
 def test_blocking_saves(tmp_path):
     io = FastPersistIO()
+    training_running()
     io.save_checkpoint({"w": torch.randn(1024, 1024)}, tmp_path / "a.ckpt", storage_options={"blocking": True})
     assert not io.pending()
     io.save_checkpoint({"w": torch.randn(1024, 1024)}, tmp_path / "a2.ckpt")
@@ -235,6 +246,7 @@ def test_pending_name_visible_to_model_checkpoint(tmp_path):
     from lightning.fabric.utilities.cloud_io import get_filesystem
 
     io = FastPersistIO()
+    training_running()
     p = tmp_path / "big.ckpt"
     io.save_checkpoint({"w": torch.randn(64, 1024, 1024)}, p)  # 256 MiB: still being written below
     was_pending = io.pending(p)
@@ -612,6 +624,7 @@ def test_ddp_script_launcher(tmp_path):
 def test_checkpointer_options_pass_through(tmp_path):
     """AsyncCheckpointer options given to the plugin reach the core (here: huge pages)."""
     io = FastPersistIO(policy="overlap", collapse_live_tensors=True, huge_pages=False)
+    training_running()
     w = torch.randn(2048, 2048)  # 16 MiB, written in place under overlap
     io.save_checkpoint({"w": w}, tmp_path / "a.ckpt")
     io.wait()
@@ -624,3 +637,108 @@ def test_checkpointer_options_pass_through(tmp_path):
     if thp_mode() not in ("always", "madvise") or ckpt.huge_page_bytes == 0:
         pytest.skip("no transparent huge pages here, or the kernel declined MADV_COLLAPSE")
     assert ckpt.huge_page_bytes >= 12 * 1024 * 1024
+
+
+# ---------------------------------------------------------------- saves with no step after them
+
+
+def writer_threads() -> list[str]:
+    import threading
+
+    return [t.name for t in threading.enumerate() if t.name.startswith("fastpersist-writer")]
+
+
+def test_save_outside_a_running_fit_is_complete_when_it_returns(tmp_path):
+    """Lightning's test_save_last_saves_correct_last_model_path and
+    test_load_from_checkpoint_hook_calls read the file with torch.load right after
+    trainer.save_checkpoint: it must not be a placeholder then."""
+    io = FastPersistIO()
+    t = trainer(tmp_path, io)
+    model = Model()
+    t.strategy.connect(model)
+    before = writer_threads()
+    t.save_checkpoint(tmp_path / "before_fit.ckpt")
+    assert os.path.getsize(tmp_path / "before_fit.ckpt") > 0 and not io.pending()
+    assert torch.load(tmp_path / "before_fit.ckpt", weights_only=False)["state_dict"].keys() == model.state_dict().keys()
+    assert writer_threads() == before  # no writer thread left running until interpreter exit
+    t.validate(model, dataloaders=model.train_dataloader())
+    t.save_checkpoint(tmp_path / "after_validate.ckpt")
+    Model.load_from_checkpoint(tmp_path / "after_validate.ckpt")
+
+
+def test_saves_inside_fit_stay_asynchronous(tmp_path):
+    io = FastPersistIO()
+    mc = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
+    t = trainer(tmp_path, io, [mc], max_epochs=1)
+    t.fit(Model(hidden=256, wide=2048))
+    assert len(io.stats) == 4
+    assert all(s.policy in ("overlap", "snapshot") for s in io.stats), [s.policy for s in io.stats]
+
+
+def test_fabric_save_before_any_step_is_complete(tmp_path):
+    from lightning.fabric import Fabric
+
+    io = FastPersistIO()
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    model = fabric.setup(torch.nn.Linear(64, 64))
+    fabric.save(tmp_path / "init.ckpt", {"model": model})
+    assert not io.pending() and torch.load(tmp_path / "init.ckpt")["model"]["weight"].shape == (64, 64)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_wrapped_in_async_checkpoint_io_nothing_is_left_pending_after_fit(tmp_path, fault, fail):
+    """AsyncCheckpointIO (any _WrappingCheckpointIO) never passes teardown() on: every save
+    must be durable, and every failure reported, by the time fit returns."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    inner = FastPersistIO()
+    mc = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=2)
+    t = trainer(tmp_path, AsyncCheckpointIO(inner), [mc], max_epochs=1)
+    if fail:
+        fault("write", errno=5, after_bytes=0)
+        with pytest.raises(Exception, match="Input/output error"):
+            t.fit(Model(hidden=256, wide=2048))
+        return
+    t.fit(Model(hidden=256, wide=2048))
+    assert not inner.pending()
+    ckpts = [f for f in listing(tmp_path) if f.endswith(".ckpt")]
+    assert len(ckpts) == 4
+    for f in ckpts:
+        fp_core.verify(tmp_path / f)
+        Model.load_from_checkpoint(tmp_path / f)
+
+
+LOGGING_PROBE = r"""
+import logging, sys
+seen = []
+class H(logging.Handler):
+    def emit(self, record):
+        seen.append(record.getMessage())
+logging.getLogger().addHandler(H())  # the user's logging setup (as pytest's caplog), before Lightning's import
+logging.getLogger().setLevel(logging.INFO)
+import lightning.pytorch as lp
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+def state():
+    lg = logging.getLogger("lightning.pytorch")
+    return (lg.level, lg.propagate, [type(h).__name__ for h in lg.handlers])
+before = state()
+rank_zero_info("before import")
+import fp_integrations.lightning as fl
+io = fl.FastPersistIO()
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+t = lp.Trainer(plugins=[io], accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+               enable_model_summary=False, default_root_dir=sys.argv[1], enable_checkpointing=False)
+t.fit(BoringModel())
+rank_zero_info("after import and fit")
+assert "pytorch_lightning" not in sys.modules, "importing the plugin imported pytorch_lightning"
+assert state() == before, (state(), before)
+assert "before import" in seen and "after import and fit" in seen, seen
+print("OK")
+"""
+
+
+def test_importing_and_using_the_plugin_leaves_lightnings_logging_alone(tmp_path):
+    r = subprocess.run([sys.executable, "-c", LOGGING_PROBE, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
