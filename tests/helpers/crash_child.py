@@ -75,6 +75,11 @@ def _send(conn, *msg) -> None:
         conn.send(msg)
 
 
+def _durable(conn, gen: int) -> None:
+    fp_core.commit.wait_for_clean()  # leftovers of a killed run are gone by the first "D"
+    _send(conn, "D", gen, time.monotonic())
+
+
 def run(mode: str, directory: str, conn=None, mib: int = 16, policy: str = "overlap",
         rank: int = 0, world: int = 1, port: int = 0, gen0: int = 0) -> None:
     """Save generations gen0+1, gen0+2, ... forever (until killed)."""
@@ -101,6 +106,7 @@ def run(mode: str, directory: str, conn=None, mib: int = 16, policy: str = "over
                     fp_core.save(obj, path)
                 else:
                     fp_core.save(obj, path, group=group)
+                fp_core.commit.wait_for_clean()  # leftovers of a killed run are gone by the first "D"
                 _send(conn, "D", gen, time.monotonic())
         elif mode in ("async", "dist-async"):
             ckpt = fp_core.AsyncCheckpointer(policy=policy, group=group)
@@ -113,7 +119,7 @@ def run(mode: str, directory: str, conn=None, mib: int = 16, policy: str = "over
                        "i": obj["optim"]["step"]}
                 p = path if group is not None else os.path.join(directory, f"step-{gen}.pt")
                 _send(conn, "S", gen, time.monotonic())
-                ckpt.save(obj, p, on_commit=lambda _p, _st, g=gen: _send(conn, "D", g, time.monotonic()))
+                ckpt.save(obj, p, on_commit=lambda _p, _st, g=gen: _durable(conn, g))
                 if group is None and gen - gen0 > KEEP:
                     ckpt.enqueue(os.unlink, os.path.join(directory, f"step-{gen - KEEP}.pt"))
         else:
