@@ -153,9 +153,11 @@ class TempFile:
     Either way this object holds it (``flock``) until published or aborted.
     """
 
-    def __init__(self, final: str, open_engine: Any) -> None:
+    def __init__(self, final: str, open_engine: Any, named: bool = False) -> None:
+        """``named``: a named file even where unnamed ones work (other processes open it by
+        name: a collective save's ranks)."""
         self.final = final
-        self.unnamed = tmpfile_supported(os.path.dirname(final))
+        self.unnamed = not named and tmpfile_supported(os.path.dirname(final))
         for _ in range(8):
             self.name = temp_path(final)
             self.engine = open_engine(os.path.dirname(final) if self.unnamed else self.name, self.unnamed)

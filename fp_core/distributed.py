@@ -217,16 +217,15 @@ class CollectiveSave:
 
         # 1. rank 0 validates the target and creates the temp file; everyone learns the outcome.
         engine = None
-        held: int | None = None  # rank 0's lock on the shared temp file (commit.hold)
+        temp: commit.TempFile | None = None  # rank 0's: named, the other ranks open it by name
         first_error: BaseException | None = None
         header: tuple[bool, str, str] = (True, "", "")
         if rank == 0:
             try:
                 commit.check_target(final)
                 commit.clean_in_background(os.path.dirname(final))
-                tmp = commit.temp_path(final)  # named: the other ranks open it by name
-                engine = open_engine(tmp, opts, create=True)
-                held = commit.hold(engine.fileno())
+                temp = commit.TempFile(final, lambda p, _: open_engine(p, opts, create=True), named=True)
+                engine, tmp = temp.engine, temp.name
                 if MIN_ALIGNMENT % engine.alignment:
                     raise CheckpointError(f"{final}: the filesystem needs {engine.alignment}-byte alignment; "
                                           f"collective saves support up to {MIN_ALIGNMENT}")
@@ -234,12 +233,9 @@ class CollectiveSave:
             except Exception as e:  # noqa: BLE001 - broadcast, then raised on every rank
                 header = (False, f"{type(e).__name__}: {e}", "")
                 first_error = e
-                if engine is not None:
-                    engine.close()
-                    engine = None
-                    commit.discard(tmp)
-                commit.settle(held)
-                held = None
+                if temp is not None:
+                    temp.abort()
+                    temp, engine = None, None
         ok, err, tmp = _broadcast(header, cg)
         if ok and tmp == _DECLINED:
             # rank 0 writes this checkpoint alone (see decline()): nothing to do here.
@@ -328,7 +324,7 @@ class CollectiveSave:
                     write_tail(engine, plan, all_pieces, opts, rs, on_body_written)
                     engine.sync()
                     engine.close()
-                    commit.publish(tmp, final)
+                    temp.publish()
                 except Exception as e:  # noqa: BLE001
                     outcome = (False, f"{type(e).__name__}: {e}")
             outcome = _broadcast(outcome, cg)
@@ -337,15 +333,14 @@ class CollectiveSave:
         except BaseException as e:
             if engine is not None:
                 engine.close()
-            if rank == 0:
-                commit.discard(tmp)
+            if temp is not None:
+                temp.abort()
                 if isinstance(e, OSError) and getattr(e, "filename", None) == tmp:
                     raise rename_os_error(e, final) from e
             raise
         finally:
             if engine is not None:
                 engine.close()
-            commit.settle(held)
 
         stats.bytes = plan.file_size
         stats.writers = len(writers)
