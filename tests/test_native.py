@@ -607,7 +607,7 @@ def _anonymous_map(n: int):
 
 
 def test_populate_faults_every_page_in_and_keeps_the_bytes():
-    from fp_core.procinfo import resident_bytes
+    from fp_core.tools.procinfo import resident_bytes
 
     n = 8 * MiB
     m, addr = _anonymous_map(n)

@@ -1,10 +1,11 @@
 """The native engine built with AddressSanitizer and UndefinedBehaviorSanitizer.
 
-native/fastpersist.c is compiled into a temporary directory with
-``-fsanitize=address,undefined`` and driven, in a child Python with libasan preloaded, by
-tests/helpers/native_sanitizer_driver.py (every entry point, each backend, fault
-injection, the refusals of untrusted offsets, EFAULT).  Any report of either sanitizer
-aborts the child; the test wants a clean exit.
+Every source of the extension (setup.py's ``sources``: the engine and its binding) is
+compiled into a temporary directory with ``-fsanitize=address,undefined`` and driven, in
+a child Python with libasan preloaded, by tests/helpers/native_sanitizer_driver.py
+(every entry point, each backend, fault injection, the refusals of untrusted offsets,
+EFAULT).  Any report of either sanitizer aborts the child; the test wants a clean exit.
+tests/test_native_engine_c.py does the same for the engine alone, without Python.
 
 The build uses setup.py's own compile arguments (read from it, so the two cannot drift)
 but not Python's CFLAGS: those carry -fwrapv, under which signed overflow is defined and
@@ -23,22 +24,22 @@ import sysconfig
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCE = os.path.join(REPO, "native", "fastpersist.c")
 DRIVER = os.path.join(REPO, "tests", "helpers", "native_sanitizer_driver.py")
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g",
             "-O1"]
 
 
-def _setup_py_extension_args() -> tuple[list[str], list[str]]:
-    """extra_compile_args and libraries of the Extension in setup.py."""
+def _setup_py_extension_args() -> tuple[list[str], list[str], list[str]]:
+    """sources (absolute paths), extra_compile_args and libraries of the Extension in setup.py."""
     with open(os.path.join(REPO, "setup.py")) as f:
         tree = ast.parse(f.read())
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension":
             kw = {k.arg: k.value for k in node.keywords}
+            sources = ast.literal_eval(kw["sources"])
             args = ast.literal_eval(kw["extra_compile_args"]) if "extra_compile_args" in kw else []
             libs = ast.literal_eval(kw["libraries"]) if "libraries" in kw else []
-            return list(args), list(libs)
+            return [os.path.join(REPO, s) for s in sources], list(args), list(libs)
     raise AssertionError("no Extension(...) in setup.py")
 
 
@@ -59,11 +60,11 @@ def sanitized_build(tmp_path_factory):
     include = sysconfig.get_paths()["include"]
     if not os.path.exists(os.path.join(include, "Python.h")):
         pytest.skip(f"no Python.h in {include}")
-    args, libs = _setup_py_extension_args()
+    sources, args, libs = _setup_py_extension_args()
     out = tmp_path_factory.mktemp("asan-build")
     so = str(out / ("_native" + sysconfig.get_config_var("EXT_SUFFIX")))
     # the sanitizer's -O1 comes after setup.py's -O2 and wins
-    cmd = [gcc, "-shared", "-fPIC", *args, *SANITIZE, f"-I{include}", SOURCE, "-o", so, *(f"-l{lib}" for lib in libs)]
+    cmd = [gcc, "-shared", "-fPIC", *args, *SANITIZE, f"-I{include}", *sources, "-o", so, *(f"-l{lib}" for lib in libs)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"sanitizer build failed:\n{' '.join(cmd)}\n{r.stderr}"
     return so, libasan

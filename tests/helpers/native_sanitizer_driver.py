@@ -1,4 +1,4 @@
-"""Exercise a sanitizer build of native/fastpersist.c (run by tests/test_native_sanitizers.py).
+"""Exercise a sanitizer build of the native engine (run by tests/test_native_sanitizers.py).
 
     python native_sanitizer_driver.py /path/to/_native<EXT_SUFFIX> WORK_DIR
 

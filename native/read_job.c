@@ -1,0 +1,273 @@
+/*
+ * read_job.c -- the reader: reads of a file range into memory at any address, split
+ * into chunks over a few threads.  With O_DIRECT, chunks go straight into the caller's
+ * memory where it is aligned like the file, else through a staging buffer; the CRC of
+ * each chunk is combined into the range's at the end.
+ */
+#define _GNU_SOURCE
+#include "fp_engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define READ_INLINE_MAX (256 * 1024)
+#define BUFFERED_READ_PIECE (256 * 1024)
+
+typedef struct {
+    int fd, direct, checksum;
+    ll align, mem_align, chunk;
+    ll off, len, base, aend;
+    char *dst;
+    int nchunks, next;
+    uint32_t *crcs;
+    int err; /* errno, or FP_EOF */
+    pthread_mutex_t mu;
+} rjob_t;
+
+/* pread until [0, need) of the chunk is there; returns 0, errno or FP_EOF */
+static int pread_full(rjob_t *rj, char *buf, ll file_off, ll need, ll cap)
+{
+    ll got = 0;
+    while (got < need) {
+        ll pos = rj->direct ? fp_align_down(got, rj->align) : got;
+        ll want = cap - pos;
+        int fe = fp_fault_read(file_off + pos, want);
+        if (fe)
+            return fe;
+        ssize_t r = pread(rj->fd, buf + pos, (size_t)want, file_off + pos);
+        if (r < 0) {
+            if (errno == EINTR || errno == EAGAIN)
+                continue;
+            return errno;
+        }
+        if (r == 0 || pos + r <= got)
+            return FP_EOF;
+        got = pos + r;
+    }
+    return 0;
+}
+
+static void *read_main(void *arg)
+{
+    rjob_t *rj = arg;
+    fp_sbuf_t buf = {NULL, 0, 0, 0};
+    for (;;) {
+        pthread_mutex_lock(&rj->mu);
+        if (rj->err || rj->next >= rj->nchunks) {
+            pthread_mutex_unlock(&rj->mu);
+            break;
+        }
+        int k = rj->next++;
+        pthread_mutex_unlock(&rj->mu);
+        ll cs = rj->base + (ll)k * rj->chunk;
+        ll ce = cs + rj->chunk < rj->aend ? cs + rj->chunk : rj->aend;
+        ll ws = rj->off > cs ? rj->off : cs;
+        ll we = rj->off + rj->len < ce ? rj->off + rj->len : ce;
+        int err = 0;
+        /* where chunk k's start lands in the caller's memory; an address (not a pointer)
+         * since it may lie before the destination when the chunk starts before off */
+        uintptr_t chunk_addr = (uintptr_t)rj->dst + (uintptr_t)(cs - rj->off);
+        if (rj->direct && ws == cs && we == ce && (chunk_addr % (uintptr_t)rj->mem_align) == 0) {
+            /* the caller's memory is aligned like the file here: no staging copy */
+            char *dst_chunk = rj->dst + (cs - rj->off);
+            err = pread_full(rj, dst_chunk, cs, ce - cs, ce - cs);
+            if (!err && rj->checksum)
+                rj->crcs[k] = fp_crc32c(0, dst_chunk, (size_t)(ce - cs));
+        } else if (rj->direct) {
+            if (!buf.p) {
+                ll span = rj->aend - rj->base;
+                ll sz = span < rj->chunk ? span : rj->chunk;
+                err = fp_pool_get(&buf, (size_t)sz, (size_t)rj->mem_align);
+            }
+            if (!err)
+                err = pread_full(rj, buf.p, cs, we - cs, ce - cs);
+            if (!err)
+                rj->crcs[k] = fp_copy_crc_cached(rj->dst + (ws - rj->off), (char *)buf.p + (ws - cs),
+                                       (size_t)(we - ws), 0, rj->checksum);
+        } else {
+            uint32_t c = 0;
+            for (ll p = ws; p < we && !err; p += BUFFERED_READ_PIECE) {
+                ll n = we - p < BUFFERED_READ_PIECE ? we - p : BUFFERED_READ_PIECE;
+                char *d = rj->dst + (p - rj->off);
+                err = pread_full(rj, d, p, n, n);
+                if (!err && rj->checksum)
+                    c = fp_crc32c(c, d, (size_t)n);
+            }
+            rj->crcs[k] = c;
+        }
+        if (err) {
+            pthread_mutex_lock(&rj->mu);
+            if (!rj->err)
+                rj->err = err;
+            pthread_mutex_unlock(&rj->mu);
+            break;
+        }
+    }
+    fp_pool_put(&buf);
+    return NULL;
+}
+
+void fp_reader_init(fp_reader_t *r)
+{
+    memset(r, 0, sizeof *r);
+    r->fd = -1;
+}
+
+void fp_read_options_default(fp_read_options_t *o)
+{
+    o->checksum = 0;
+    o->threads = 2;
+    o->chunk_bytes = 4 << 20;
+}
+
+int fp_reader_open(fp_reader_t *r, const char *path, int direct)
+{
+    fp_reader_close(r);
+    int fd = -1, e = 0, used_direct = 0;
+    struct stat st;
+    if (direct) {
+        e = fp_fault_o_direct();
+        if (!e) {
+            fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+            e = fd < 0 ? errno : 0;
+        }
+        if (fd >= 0)
+            used_direct = 1;
+    }
+    if (fd < 0 && (!direct || e == EINVAL)) {
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        e = fd < 0 ? errno : 0;
+    }
+    if (fd >= 0 && fstat(fd, &st) < 0) {
+        e = errno;
+        close(fd);
+        fd = -1;
+    }
+    if (fd < 0)
+        return e;
+    r->fd = fd;
+    r->direct = used_direct;
+    r->size = st.st_size;
+    fp_detect_alignment(fd, &r->alignment, &r->mem_alignment);
+    return 0;
+}
+
+void fp_reader_close(fp_reader_t *r)
+{
+    if (r->fd >= 0) {
+        close(r->fd);
+        r->fd = -1;
+    }
+}
+
+static int check_read(ll off, uint64_t addr, ll len, const fp_read_options_t *o, ll *end, char *msg, size_t cap)
+{
+    if (off < 0 || len < 0)
+        snprintf(msg, cap, "invalid read (file_offset=%lld, length=%lld)", off, len);
+    else if (fp_end_of(off, len, end))
+        snprintf(msg, cap, "invalid read: file_offset=%lld + length=%lld overflows a 64-bit file offset", off, len);
+    else if (len > 0 && addr == 0)
+        snprintf(msg, cap, "addr is NULL");
+    else if (!fp_addr_range_ok(addr, len))
+        snprintf(msg, cap, "invalid read: addr=%#llx + length=%lld wraps around the address space",
+                 (unsigned long long)addr, len);
+    else if (o->threads < 1 || o->threads > 64)
+        snprintf(msg, cap, "threads must be in [1, 64], got %d", o->threads);
+    else if (o->chunk_bytes < 4096 || o->chunk_bytes > (1LL << 30))
+        snprintf(msg, cap, "chunk_bytes must be in [4096, 1 GiB], got %lld", o->chunk_bytes);
+    else
+        return 0;
+    return FP_EARG;
+}
+
+int fp_reader_read(fp_reader_t *r, ll off, uint64_t addr, ll len, const fp_read_options_t *o, uint32_t *crc,
+                   ll *file_size, char *msg, size_t cap)
+{
+    msg[0] = 0;
+    *crc = 0;
+    *file_size = -1;
+    if (r->fd < 0)
+        return EBADF;
+    ll end;
+    int rc = check_read(off, addr, len, o, &end, msg, cap);
+    if (rc)
+        return rc;
+    if (len == 0)
+        return 0;
+    /* The end of file first: a length from a damaged or hostile file is an EOF
+     * before anything is sized by it. */
+    struct stat st;
+    if (fstat(r->fd, &st) < 0)
+        return errno;
+    if (end > st.st_size) {
+        *file_size = st.st_size;
+        return FP_EOF;
+    }
+    rjob_t rj;
+    memset(&rj, 0, sizeof rj);
+    rj.fd = r->fd;
+    rj.direct = r->direct;
+    rj.checksum = o->checksum;
+    rj.align = r->direct ? r->alignment : 1;
+    rj.mem_align = r->mem_alignment;
+    rj.chunk = r->direct ? fp_align_up(o->chunk_bytes, r->alignment) : o->chunk_bytes;
+    /* chunks are aligned and walked past the end by up to a chunk: only a file within
+     * that distance of 2**63 - 1 (none on a real file system) could get here */
+    if (end > LLONG_MAX - rj.chunk - rj.align) {
+        snprintf(msg, cap,
+                 "invalid read: file_offset=%lld + length=%lld is too close to the largest file offset "
+                 "(2**63 - 1)", off, len);
+        return FP_EARG;
+    }
+    rj.off = off;
+    rj.len = len;
+    rj.dst = (char *)(uintptr_t)addr;
+    rj.base = fp_align_down(off, rj.align);
+    rj.aend = fp_align_up(end, rj.align);
+    ll nch = (rj.aend - rj.base + rj.chunk - 1) / rj.chunk;
+    if (nch > INT_MAX) {
+        snprintf(msg, cap, "read too large for chunk_bytes");
+        return FP_EARG;
+    }
+    rj.nchunks = (int)nch;
+    rj.crcs = calloc(rj.nchunks, sizeof(uint32_t));
+    if (!rj.crcs)
+        return FP_ENOMEM;
+    pthread_mutex_init(&rj.mu, NULL);
+    int nthr = (len < READ_INLINE_MAX) ? 1 : o->threads;
+    if (nthr > rj.nchunks)
+        nthr = rj.nchunks;
+    pthread_t t[64];
+    int n = 0;
+    for (int i = 1; i < nthr; i++) {
+        if (fp_spawn(&t[n], read_main, &rj) != 0)
+            break; /* fewer threads is fine */
+        n++;
+    }
+    read_main(&rj);
+    for (int i = 0; i < n; i++)
+        pthread_join(t[i], NULL);
+    uint32_t c = 0;
+    if (!rj.err && o->checksum) {
+        for (int k = 0; k < rj.nchunks; k++) {
+            ll cs = rj.base + (ll)k * rj.chunk;
+            ll ce = cs + rj.chunk < rj.aend ? cs + rj.chunk : rj.aend;
+            ll ws = off > cs ? off : cs;
+            ll we = end < ce ? end : ce;
+            c = fp_crc32c_combine(c, rj.crcs[k], (uint64_t)(we - ws));
+        }
+    }
+    if (rj.err == FP_EOF && fstat(rj.fd, &st) == 0) /* the file shrank meanwhile */
+        *file_size = st.st_size;
+    pthread_mutex_destroy(&rj.mu);
+    free(rj.crcs);
+    *crc = rj.err ? 0 : c;
+    return rj.err;
+}
