@@ -4,7 +4,7 @@
 ``AsyncCheckpointer`` overlaps the write with training.
 """
 
-from .api import save
+from .api import inspect, load, prepare, save, verify
 from .commit import clean
 from .engine import EngineOptions
 from .errors import (
@@ -13,13 +13,12 @@ from .errors import (
     CorruptCheckpointError,
     NotAFastPersistCheckpoint,
 )
-from .integrity import inspect, verify
-from .loader import load
 from .pipeline import AsyncCheckpointer, AsyncCheckpointError, Handle, SaveHandle
 from .stats import SaveStats
 
 __all__ = [
     "save",
+    "prepare",
     "AsyncCheckpointer",
     "AsyncCheckpointError",
     "Handle",

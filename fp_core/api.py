@@ -1,116 +1,57 @@
-"""Save = prepare (caller's thread) + write (any thread) + commit.
+"""The entry point: ``save``, ``load``, ``verify``, ``inspect``, and ``prepare``.
 
-``prepare`` validates the path, opens the native engine on a temporary file in the
-target directory and builds the FilePlan (pickling happens here, so the object's
-*structure* is fixed at call time). ``PreparedSave.write`` copies, writes, syncs and
-publishes. The synchronous ``save`` runs both; the async pipeline runs the second half in
-the background.
+Every path is routed here, once: a local file, a remote fsspec URL (through the remote
+tier), a file written by many ranks together, or per-rank files. :func:`prepare` turns a
+save into a :class:`~fp_core.job.SaveJob` that ``save`` runs at once and
+``AsyncCheckpointer`` runs in the background. ``loader`` and ``integrity`` know local
+files only.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
 from typing import Any
 
-from . import commit
-from .engine import EngineOptions, open_engine
-from .errors import CheckpointSerializationError
-from .plan import FilePlan, build
-from .safetensors_plan import build_safetensors
+from . import integrity, loader, paths
+from .engine import EngineOptions
+from .job import SaveJob
+from .local import LocalSave
 from .stats import SaveStats
-from .writer import write_single
-
-MIN_ALIGNMENT = 4096
-FORMATS = ("torch", "safetensors")
 
 
-def rename_os_error(e: OSError, final: str) -> OSError:
-    """An OSError from writing the temporary file, re-stated against the checkpoint's own path."""
-    if e.errno is None:
-        return e
-    return OSError(e.errno, f"{e.strerror} (writing checkpoint {final})", final)
+def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = None, *, format: str = "torch",
+            metadata: dict[str, str] | None = None, group: Any = None, topology: Any = "replica",
+            timeout_s: float | None = None, congruent: bool = False, storage_options: dict | None = None,
+            keep_local: bool = False) -> SaveJob:
+    """Prepare the save of ``obj`` to ``path`` (pickled now: its structure is fixed); the
+    returned job writes and commits it when run.
 
+    ``group``: a collective save with the other ranks of that torch.distributed group.
+    ``congruent``: lay local CPU tensors out congruent to their addresses, so they can be
+    written without staging (the async pipeline's layout).
+    """
+    options = options or EngineOptions()
+    is_remote, p = paths.split(path)
+    if is_remote:
+        if group is not None:
+            raise ValueError(f"collective saves to a remote URL ({p}) are not supported: save to a shared "
+                             "local path, then upload it with fp_core.remote.upload_file on one rank")
+        from .remote import RemoteSave
 
-class PreparedSave:
-    """A checkpoint whose layout is fixed and whose temporary file is open."""
+        return RemoteSave(obj, p, options, format, metadata, storage_options, keep_local)
+    if group is not None:
+        from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave
 
-    def __init__(self, obj: Any, path: str | os.PathLike, options: EngineOptions, format: str = "torch",
-                 metadata: dict[str, str] | None = None, congruent: bool = False,
-                 mode: int | None = None) -> None:
-        """``congruent``: lay CPU tensors out in the file congruent to their addresses, so
-        they can be written without staging (see :func:`fp_core.plan.build`). ``mode``:
-        the file's permission bits (default: 0666 less the umask, as ``torch.save``)."""
-        t0 = time.perf_counter()
-        if format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
-        self.options = options
-        self.final = commit.check_target(os.fspath(path))
-        commit.clean_in_background(os.path.dirname(self.final))  # leftovers of crashed saves, once
-        self.stats = SaveStats(path=self.final)
-        file_mode = 0o666 if mode is None else mode
-        try:
-            self.temp = commit.TempFile(self.final, lambda p, tmpfile: open_engine(
-                p, options, create=True, tmpfile=tmpfile, mode=file_mode))
-        except OSError as e:
-            raise rename_os_error(e, self.final) from e
-        self.engine = self.temp.engine
-        try:
-            alignment = max(MIN_ALIGNMENT, self.engine.alignment)
-            try:
-                if format == "torch":
-                    self.plan: FilePlan = build(obj, alignment, congruent=congruent)
-                else:
-                    self.plan = build_safetensors(obj, alignment, metadata)
-            except (OSError, MemoryError, KeyboardInterrupt):
-                raise
-            except Exception as e:  # pickle raises PicklingError, TypeError, AttributeError...
-                raise CheckpointSerializationError(
-                    f"cannot serialise the checkpoint for {self.final}: {type(e).__name__}: {e}") from e
-        except BaseException:
-            self.abort()
-            raise
-        self.stats.serialize_seconds = self.plan.serialize_seconds = time.perf_counter() - t0
-        self._t0 = t0
-
-    def write(self, on_body_written: Callable[[], None] | None = None, publish: bool = True) -> SaveStats:
-        """Write, sync and (unless ``publish=False``) publish.
-
-        On failure the temp file is removed and nothing is published.
-        """
-        try:
-            with self.engine:
-                rs = write_single(self.engine, self.plan, self.options, on_body_written)
-                t_sync = time.perf_counter()
-                self.engine.sync()
-            if publish:
-                self.publish()
-        except BaseException as e:
-            self.abort()
-            if isinstance(e, OSError) and getattr(e, "filename", None) in (self.temp.engine_path, self.temp.name):
-                raise rename_os_error(e, self.final) from e
-            raise
-        st = self.stats
-        st.sync_seconds = time.perf_counter() - t_sync
-        st.bytes = self.plan.file_size
-        st.backend, st.backend_reason, st.alignment = self.engine.backend, self.engine.backend_reason, self.plan.alignment
-        st.copy_seconds, st.write_seconds = rs.copy_seconds, rs.seconds
-        st.device_copy_seconds = rs.device_copy_seconds
-        st.requests, st.short_writes = rs.requests, rs.short_writes
-        st.extra["zero_copy_bytes"] = rs.zero_copy_bytes
-        st.seconds = time.perf_counter() - self._t0
-        return st
-
-    def publish(self) -> None:
-        self.temp.publish()
-
-    def abort(self) -> None:
-        self.temp.abort()
+        if format != "torch":
+            raise ValueError("collective saves write the torch format")
+        return CollectiveSave(obj, p, group, topology=topology, options=options,
+                              timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    return LocalSave(obj, p, options, format, metadata, congruent=congruent)
 
 
 def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: dict[str, str] | None = None,
-         group: Any = None, topology: Any = "replica", sharded: bool = False, **options: Any) -> SaveStats:
+         group: Any = None, topology: Any = "replica", sharded: bool = False, timeout_s: float | None = None,
+         storage_options: dict | None = None, keep_local: bool = False, **options: Any) -> SaveStats:
     """Write ``obj`` to ``path`` fast, atomically and durably; return the save's stats.
 
     ``format="torch"`` (default) writes a standard torch.save zip: ``torch.load(path)``
@@ -134,20 +75,55 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     uploaded before this returns (options ``storage_options=``, ``keep_local=``); see
     :mod:`fp_core.remote`. ``file://`` URLs are local paths.
     """
-    from . import remote
-
-    is_remote, path = remote.split(path)
-    if is_remote:
-        return remote.save(obj, path, format=format, metadata=metadata, group=group, sharded=sharded, **options)
-    if group is not None or sharded:
-        from . import distributed
-
-        if format != "torch":
-            raise ValueError("collective saves write the torch format")
-        if sharded:
-            return distributed.save_sharded(obj, path, group, **options)
-        return distributed.save_collective(obj, path, group, topology=topology, **options)
     opts, rest = EngineOptions.pick(dict(options))
     if rest:
         raise TypeError(f"fp_core.save got unknown options {sorted(rest)}")
-    return PreparedSave(obj, path, opts, format, metadata).write()
+    if sharded:
+        if paths.is_remote(path):
+            raise ValueError(f"sharded saves to a remote URL ({paths.split(path)[1]}) are not supported")
+        if format != "torch":
+            raise ValueError("collective saves write the torch format")
+        from .distributed import DEFAULT_TIMEOUT_S, save_sharded
+
+        return save_sharded(obj, path, group, options=opts,
+                            timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    return prepare(obj, path, opts, format=format, metadata=metadata, group=group, topology=topology,
+                   timeout_s=timeout_s, storage_options=storage_options, keep_local=keep_local).run()
+
+
+def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,
+         verify: bool | str = False, *, storage_options: dict | None = None, keep_local: bool = False) -> Any:
+    """``torch.load`` of ``path`` through the fast reader (see :func:`fp_core.loader.load`).
+
+    ``verify=True`` checks every byte against the manifest while loading (raising
+    :class:`CorruptCheckpointError` naming the damaged record); ``verify="auto"`` does so
+    when the file has one and loads a file written by another tool unchecked. A remote
+    fsspec URL is fetched into local staging (or found in the ``keep_local`` cache) and
+    loaded from there; ``storage_options`` go to fsspec. See :mod:`fp_core.remote`.
+    """
+    is_remote, p = paths.split(path)
+    if is_remote:
+        from . import remote
+
+        return remote.load(p, map_location=map_location, weights_only=weights_only, verify=verify,
+                           storage_options=storage_options, keep_local=keep_local)
+    return loader.load(p, map_location=map_location, weights_only=weights_only, verify=verify)
+
+
+def verify(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
+    """Check every byte of a checkpoint against its manifest (a remote one on a staged
+    copy); see :func:`fp_core.integrity.verify`."""
+    is_remote, p = paths.split(path)
+    if is_remote:
+        from . import remote
+
+        return remote.verify(p, storage_options=storage_options)
+    return integrity.verify(p)
+
+
+def inspect(path: str | os.PathLike) -> list[dict]:
+    """The records of a local checkpoint: name, tensor, dtype, size, offset, checksum."""
+    return integrity.inspect(paths.split(path)[1])
+
+
+__all__ = ["prepare", "save", "load", "verify", "inspect"]

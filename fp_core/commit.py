@@ -24,6 +24,7 @@ import fcntl
 import logging
 import os
 import re
+import shutil
 import socket
 import stat
 import threading
@@ -79,19 +80,44 @@ def hold(fd: int) -> int:
 
 def _held(path: str) -> bool:
     """Does a live process hold ``path`` (see :func:`hold`)? Not followed through a symlink."""
+    fd = _lock_unheld(path)
+    if fd is None:
+        return True
+    os.close(fd)
+    return False
+
+
+def _lock_unheld(path: str) -> int | None:
+    """A descriptor of ``path`` holding its lock, or None when a live writer holds it (or it
+    cannot be told: a symlink, no locks on this filesystem)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return True  # cannot tell: leave it
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
     except OSError:
-        return True  # no locks on this filesystem: cannot tell
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_unheld(path: str) -> bool:
+    """Remove ``path`` if nobody holds it, *while* holding its lock ourselves: a writer that
+    takes it meanwhile finds it locked, or unlinked (TempFile starts over), never removed
+    under it after it checked."""
+    fd = _lock_unheld(path)
+    if fd is None:
+        return False
+    try:
+        if os.fstat(fd).st_ino != os.lstat(path).st_ino:
+            return False  # the name was given to another file meanwhile
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
     finally:
         os.close(fd)
-    return False
 
 
 def link_fd(fd: int, name: str) -> None:
@@ -305,26 +331,24 @@ def _ours_to_judge(host: str) -> bool:
     return host == _HOST  # another node's writer on a shared filesystem: not ours to judge
 
 
-def stale_temps(directory: str) -> list[str]:
-    """Temporary files in ``directory`` (exactly as :func:`temp_path` names them, regular
-    files, of this host) that no live writer holds."""
-    out = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return []
-    for e in entries:
-        m = _TEMP_RE.match(e.name)
-        try:
-            regular = m is not None and e.is_file(follow_symlinks=False)
-        except OSError:
-            continue
-        if regular and _ours_to_judge(m.group("host")) and not _held(e.path):
-            out.append(e.path)
-    return out
+def _writer_host(entry: os.DirEntry) -> str | None:
+    """The host of the writer of a temporary file or placeholder (regular files only, as
+    FastPersist names or marks them), or None for anything else."""
+    if not entry.is_file(follow_symlinks=False):
+        return None
+    m = _TEMP_RE.match(entry.name)
+    if m is not None:
+        return m.group("host")
+    if entry.stat(follow_symlinks=False).st_size == 0:
+        owner = placeholder_owner(entry.path)
+        if owner is not None:
+            return owner.split("-", 1)[0]
+    return None
 
 
-def _stale_placeholders(directory: str) -> list[str]:
+def stale_files(directory: str) -> list[str]:
+    """Temporary files (exactly as :func:`temp_path` names them) and pending-save
+    placeholders in ``directory``, regular files of this host, that no live writer holds."""
     out = []
     try:
         entries = list(os.scandir(directory))
@@ -332,14 +356,23 @@ def _stale_placeholders(directory: str) -> list[str]:
         return []
     for e in entries:
         try:
-            if not e.is_file(follow_symlinks=False) or e.stat(follow_symlinks=False).st_size != 0:
-                continue
+            host = _writer_host(e)
         except OSError:
             continue
-        owner = placeholder_owner(e.path)
-        if owner is not None and _ours_to_judge(owner.split("-", 1)[0]) and not _held(e.path):
+        if host is not None and _ours_to_judge(host) and not _held(e.path):
             out.append(e.path)
     return out
+
+
+def _remove_stale(directory: str) -> list[str]:
+    removed = []
+    for p in stale_files(directory):
+        try:
+            if _remove_unheld(p):
+                removed.append(p)
+        except OSError as e:
+            log.warning("fastpersist: could not remove %s left by a crashed save: %s", p, e)
+    return removed
 
 
 def clean(directory: str | Path, recursive: bool = False) -> list[str]:
@@ -349,15 +382,7 @@ def clean(directory: str | Path, recursive: bool = False) -> list[str]:
     if recursive:
         dirs = [root for root, _, _ in os.walk(directory)]
     for d in dirs:
-        for p in stale_temps(d) + _stale_placeholders(d):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                log.warning("fastpersist: could not remove %s left by a crashed save: %s", p, e)
-                continue
-            removed.append(p)
+        removed += _remove_stale(d)
     return removed
 
 
@@ -391,3 +416,62 @@ def wait_for_clean(directory: str | None = None) -> None:
             [t for t in [_cleaning.get(os.path.abspath(directory))] if t is not None]
     for t in threads:
         t.join()
+
+
+# ---------------------------------------------------------------- checkpoint directories
+#
+# A checkpoint that is a directory (the HF Trainer's checkpoint-N) is committed the same way
+# as a file: written complete under a name nobody lists, made durable, renamed into place.
+# No filesystem renames over a non-empty directory, so a directory being replaced is first
+# moved aside, and one being deleted is first renamed out of its namespace: a kill at any
+# instant leaves either the old or the new directory under the name, never a mix or a
+# half-deleted one, and what is left aside is put back or removed by recover_dirs().
+
+REPLACED_PREFIX = ".fastpersist-replaced-"
+RETIRED_PREFIX = ".fastpersist-deleting-"
+
+
+def publish_dir(staging: str, final: str) -> None:
+    """Rename the complete, synced directory ``staging`` to ``final`` (replacing one there),
+    durably."""
+    parent = os.path.dirname(os.path.abspath(final))
+    fsync_dir(staging)
+    replaced = None
+    if os.path.lexists(final):
+        replaced = os.path.join(parent, REPLACED_PREFIX + os.path.basename(final))
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+    os.rename(staging, final)
+    fsync_dir(parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+
+
+def retire_dirs(paths: list[str]) -> None:
+    """Delete checkpoint directories: each renamed out of its namespace first (one directory
+    fsync for all), then removed, so a kill mid-delete leaves nothing that looks complete."""
+    gone = []
+    for p in paths:
+        aside = os.path.join(os.path.dirname(p), RETIRED_PREFIX + os.path.basename(p))
+        os.rename(p, aside)
+        gone.append(aside)
+    for parent in {os.path.dirname(g) for g in gone}:
+        fsync_dir(parent)
+    for g in gone:
+        shutil.rmtree(g, ignore_errors=True)
+
+
+def recover_dirs(parent: str, staging_prefixes: tuple[str, ...] = ()) -> None:
+    """Undo what a crash left half done in ``parent``: a directory moved aside to be replaced
+    goes back if its replacement never arrived; directories being deleted, leftovers of
+    replacements and staging directories (``staging_prefixes``) are removed."""
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if name.startswith(REPLACED_PREFIX):
+            final = os.path.join(parent, name[len(REPLACED_PREFIX):])
+            if not os.path.lexists(final):
+                os.rename(path, final)  # the crash fell between publish_dir's two renames
+                continue
+        if name.startswith((REPLACED_PREFIX, RETIRED_PREFIX, *staging_prefixes)):
+            shutil.rmtree(path, ignore_errors=True)
+    fsync_dir(parent)

@@ -1,6 +1,6 @@
 """Collective saves: one checkpoint written by many data-parallel ranks at once.
 
-Every rank of the group calls :func:`save_collective` with the same object (data-parallel
+Every rank of the group calls ``fp_core.save(obj, path, group=...)`` with the same object (data-parallel
 replicas hold identical state). Coordination runs on a dedicated gloo group, so it never
 waits behind training collectives on NCCL:
 
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from . import _native, commit
-from .api import MIN_ALIGNMENT, PreparedSave, rename_os_error
 from .engine import EngineOptions, open_engine
 from .errors import CheckpointError, CheckpointSerializationError
+from .local import MIN_ALIGNMENT, LocalSave, rename_os_error
 from .partition import select_writers, split_range
 from .plan import FilePlan, StorageExtent, build
 from .skeleton import SparseFile
@@ -180,12 +180,15 @@ def _failures(statuses: list[Any]) -> list[str]:
 
 
 class CollectiveSave:
-    """One collective save: planned on the caller's thread, run (anywhere) by ``run``.
+    """One collective save (a SaveJob): planned on the caller's thread, run (anywhere) by
+    ``run``.
 
     Planning first pickles the object, so its structure and small tensors are fixed at
     call time; the async pipeline runs ``run`` on its worker. A planning error is not
     raised here: every rank must still enter the collective, learn of it and fail together.
     """
+
+    collective = True
 
     def __init__(self, obj: Any, path: str | os.PathLike, group: Any = None, *, topology: Any = "replica",
                  timeout_s: float = DEFAULT_TIMEOUT_S, options: EngineOptions | None = None) -> None:
@@ -369,32 +372,20 @@ def decline(group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     _broadcast((True, "", _DECLINED), cg)
 
 
-def save_collective(obj: Any, path: str | os.PathLike, group: Any = None, *, topology: Any = "replica",
-                    timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any) -> SaveStats:
-    """Write one checkpoint from every rank of ``group`` (see module doc)."""
-    opts, rest = EngineOptions.pick(dict(options))
-    if rest:
-        raise TypeError(f"save_collective got unknown options {sorted(rest)}")
-    return CollectiveSave(obj, path, group, topology=topology, timeout_s=timeout_s, options=opts).run()
-
-
-def save_sharded(obj: Any, path: str | os.PathLike, group: Any = None, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, **options: Any) -> SaveStats:
+def save_sharded(obj: Any, path: str | os.PathLike, group: Any = None, *, options: EngineOptions | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> SaveStats:
     """Each rank writes its own ``path`` (different per rank) in parallel; all-or-nothing.
 
     Files are renamed into place only after every rank's file is durable; if any rank
     fails, every rank discards its temporary file and raises.
     """
-    opts, rest = EngineOptions.pick(dict(options))
-    if rest:
-        raise TypeError(f"save_sharded got unknown options {sorted(rest)}")
     cg = coordination_group(group, timeout_s)
     prepared = None
     own_error: BaseException | None = None
     status: tuple[bool, str] = (True, "")
     try:
-        prepared = PreparedSave(obj, path, opts)
-        stats = prepared.write(publish=False)
+        prepared = LocalSave(obj, path, options or EngineOptions())
+        stats = prepared.run(publish=False)
     except Exception as e:  # noqa: BLE001
         status = (False, f"{type(e).__name__}: {e}")
         own_error: BaseException | None = e
@@ -460,3 +451,18 @@ def _restore(final: str, previous: str | None, new_inode: int) -> None:
         commit.fsync_dir(os.path.dirname(final))
     except OSError as e:
         log.error("fastpersist: could not restore %s after a failed sharded save: %s", final, e)
+
+
+def agree(ok: bool, group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
+    """Did every rank of ``group`` succeed? Every rank calls it at the same point (on the
+    coordination group, so it never interleaves with training collectives)."""
+    cg = coordination_group(group, timeout_s)
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    _collective(lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cg), "all_reduce")
+    return bool(flag.item())
+
+
+def barrier(group: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Wait until every rank of ``group`` gets here (on the coordination group)."""
+    cg = coordination_group(group, timeout_s)
+    _collective(lambda: dist.barrier(group=cg), "barrier")

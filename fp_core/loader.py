@@ -50,7 +50,7 @@ class FastReader(io.RawIOBase):
         """Ask the kernel to read every small region torch.load will touch, all at once.
 
         torch reads each record's 30-byte local header, the pickle and the small records
-        one by one; on a cold cache each is a ~100 us device round trip. Their offsets are
+        one by one; on a cold cache each is a device round trip. Their offsets are
         all in the central directory, so one POSIX_FADV_WILLNEED per region queues them
         together. Large records are left out: they are read with O_DIRECT below.
         """
@@ -132,8 +132,8 @@ class FastReader(io.RawIOBase):
 
 
 def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,
-         verify: bool | str = False, *, storage_options: dict | None = None, keep_local: bool = False) -> Any:
-    """``torch.load`` of ``path`` through the fast reader.
+         verify: bool | str = False) -> Any:
+    """``torch.load`` of the local file ``path`` through the fast reader.
 
     ``verify=True`` checks every byte against the manifest (raising
     :class:`CorruptCheckpointError` naming the damaged record) while loading; storages
@@ -142,18 +142,9 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     written by another tool unchecked (``verify=True`` raises
     :class:`NotAFastPersistCheckpoint` for it). The file is opened once: the check and the
     load read the same file even if its name is replaced meanwhile.
-
-    A remote fsspec URL is fetched into local staging (or found in the ``keep_local``
-    cache) and loaded from there; ``storage_options`` go to fsspec. See :mod:`fp_core.remote`.
     """
-    from . import remote
-
     if verify not in (True, False, "auto"):
         raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
-    is_remote, path = remote.split(path)
-    if is_remote:
-        return remote.load(path, map_location=map_location, weights_only=weights_only, verify=verify,
-                           storage_options=storage_options, keep_local=keep_local)
     with CheckpointFile(path) as cf:
         view = None
         if verify:

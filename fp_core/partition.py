@@ -1,6 +1,6 @@
 """Cut a file's byte range into near-equal, block-aligned ranges and pick who writes them.
 
-Partitioning cuts bytes, not tensors (DESIGN D4): a writer's range may start or end in
+Partitioning cuts bytes, not tensors: a writer's range may start or end in
 the middle of a tensor. Every range but the last starts and ends on a block boundary, so
 each writer's O_DIRECT writes never touch another writer's blocks.
 """

@@ -3,7 +3,7 @@
 Parameters and optimizer state only change inside ``optimizer.step()``. So a save can
 return at once and be written in the background while the next forward and backward
 run; a *fence* before the next step waits until the background no longer reads live
-tensor memory. Two staging policies (DESIGN D7):
+tensor memory. Two staging policies (docs/design.md, "The async fence"):
 
 * ``overlap`` (the paper's): nothing is copied up front; the writer reads live tensors,
   and the fence waits until every byte has been staged into the native engine's buffers.
@@ -12,10 +12,9 @@ tensor memory. Two staging policies (DESIGN D7):
   copy, so the disk write runs on across steps.
 * ``auto``: snapshot when the checkpoint fits ``snapshot_budget_bytes``, else overlap.
   Until an arena of the checkpoint's size is warm, auto writes with overlap and warms
-  one on the writer afterwards: the first fill of fresh memory faults in every page
-  (1.7 s for 1.13 GB here, most of it the host backing the guest's memory, against
-  0.15 s for a copy into warm pages), and under snapshot the fence waits for that fill,
-  which stalled the first checkpointed step +2.4 s (bench --async, 6 rounds).
+  one on the writer afterwards: the first fill of fresh memory faults in every page,
+  an order of magnitude slower than a copy into warm pages, and under snapshot the fence
+  would wait for that fill (figures: benchmarks/README.md, "fresh memory").
 
 In both, tensors of at most ``small_tensor_bytes`` (BatchNorm running statistics and
 other buffers that change *during* forward) are copied on the caller's thread at save
@@ -32,17 +31,16 @@ the work stays in the background.
 
 Huge pages under the bytes written (``huge_pages``): O_DIRECT pins and maps the source
 memory page by page for every request, and on a virtual disk the host's share of that
-work slows the guest's cores while the write runs (measured here with the engine
-rewriting 1 GiB in a loop beside a training step: 0.02-0.09 s of the step per GB written
-from 4 KiB pages, -0.01-0.03 s from 2 MiB pages, lower in every alternated pair;
-benchmarks/disk_interference.py --pages). So the snapshot arena is advised onto transparent
+work slows the guest's cores while the write runs, less from 2 MiB pages than from 4 KiB
+ones (benchmarks/disk_interference.py --pages; figures in benchmarks/README.md). So the
+snapshot arena is advised onto transparent
 huge pages before its first use (``huge_pages``, default on: our own memory, no copy).
 With ``collapse_live_tensors``, live CPU tensors that the overlap policy writes in place
 are moved onto them too, once (MADV_COLLAPSE), on a side thread after the first write that
 reads them: a one-time copy, transparent to the contents. It is off by default: that copy
-cost ~3.7 s of a core for 1.1 GB here (+28-40% on the next few steps), and in the whole
-pipeline the gain was suggestive but inside this VM's noise (bench --async, two runs
-each: +4.3% and +8.2% against +8.0% and +10.7%). Where the kernel declines, nothing changes.
+costs seconds of a core per GB of the caller's memory, and the gain measured in the
+whole pipeline was inside the noise (benchmarks/README.md). Where the kernel declines,
+nothing changes.
 
 Errors in the background are never dropped: each is raised once, at the next ``save``,
 ``fence``, ``wait`` or ``close`` (or by ``handle.result()``), chained to the original.
@@ -52,7 +50,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import mmap
 import os
 import threading
 import time
@@ -64,14 +61,15 @@ from typing import Any
 
 import torch
 
-from . import _native, memory_guard, optim_hooks, remote
-from .api import PreparedSave
-from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave
+from . import _native, api, memory_guard, optim_hooks, paths
+from .arena import Arena, arena_need
+from .distributed import DEFAULT_TIMEOUT_S
 from .engine import EngineOptions
 from .errors import CheckpointError
+from .job import SaveJob
 from .plan import StorageExtent
 from .stats import SaveStats
-from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, mark_ready, snapshot_to_host, stage_cpu
+from .writer import copy_to_host, mark_ready, snapshot_to_host, stage_cpu
 
 log = logging.getLogger("fastpersist")
 
@@ -155,57 +153,6 @@ class SaveHandle(Handle):
         return super().result(timeout)
 
 
-# A snapshot copy sits in the arena at the same place modulo a page as its storage sits
-# in the file: memory and file offsets then agree modulo the O_DIRECT alignment and the
-# engine writes each copy straight from the arena, with no second (staging) copy.
-_ARENA_ALIGN = SNAPSHOT_CONGRUENCE  # the unit stage_cpu checksums the copies' ranges in
-_HUGE_PAGE = 2 << 20
-
-
-def _arena_layout(extents: list[StorageExtent]) -> tuple[list[int], int]:
-    """Arena position of each extent's copy (congruent to its file offset), and the size."""
-    positions, pos = [], 0
-    for s in extents:
-        pos += (s.offset - pos) % _ARENA_ALIGN
-        positions.append(pos)
-        pos += s.length
-    return positions, pos
-
-
-def _arena_need(extents: list[StorageExtent]) -> tuple[int, bool]:
-    """The arena size ``extents`` need (no more for any of them in the same order) and
-    whether it must be pinned (a CUDA tensor among them)."""
-    return _arena_layout(extents)[1], any(s.source.device.type == "cuda" for s in extents)
-
-
-class _Arena:
-    """A reusable host buffer that snapshot copies are carved from (kept across saves)."""
-
-    def __init__(self, nbytes: int, pin: bool, huge: bool = False) -> None:
-        huge = huge and not pin  # pinned memory is the CUDA driver's to lay out
-        self._map: mmap.mmap | None = None
-        if huge:
-            # A mapping of its own: malloc may hand back heap pages already touched (as
-            # 4 KiB pages), and the advice only shapes pages faulted in after it.
-            self._map = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            raw = torch.frombuffer(self._map, dtype=torch.uint8)
-            align = _HUGE_PAGE
-        else:
-            raw = torch.empty(nbytes + _ARENA_ALIGN, dtype=torch.uint8, pin_memory=pin)
-            align = _ARENA_ALIGN
-        skip = -raw.data_ptr() % align
-        self.buf = raw[skip: skip + nbytes]
-        self.pin = pin
-        # Advised before any page is touched, so the first fill faults in huge pages.
-        self.huge_bytes = _native.advise_huge(self.buf.data_ptr(), nbytes) if huge else 0
-        self.slots: dict[int, torch.Tensor] = {}  # id(extent) -> its copy's place, for one save
-        self.fresh = True  # no page touched yet: the first copy into it faults every page in
-
-    def carve(self, extents: list[StorageExtent]) -> list[torch.Tensor]:
-        positions, _ = _arena_layout(extents)
-        return [self.buf[p: p + s.length] for p, s in zip(positions, extents)]
-
-
 class _LiveMemory:
     """The storages a background save reads in place, until it lets go of them.
 
@@ -243,12 +190,6 @@ class _LiveMemory:
     def close(self) -> None:
         self.released.set()
         self.guard.close()
-
-
-def _path_key(path: str | os.PathLike) -> str:
-    """What a save handle's ``path`` holds: an absolute local path, or the remote URL."""
-    is_remote, p = remote.split(path)
-    return p if is_remote else os.path.abspath(p)
 
 
 _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
@@ -292,12 +233,12 @@ class AsyncCheckpointer:
             True).
         collapse_live_tensors: also move live CPU tensors written in place by the overlap
             policy onto huge pages, once each, on a side thread after the first write that
-            reads them (a one-time copy: ~3.7 s of one core for 1.1 GB on this project's
-            VM; default False). ``huge_page_bytes`` counts what moved.
+            reads them (a one-time copy of the caller's memory; default False).
+            ``huge_page_bytes`` counts what moved.
         writer_nice: scheduling niceness added to the writer thread and the engine
             threads it starts (Linux: per thread, inherited). 0 (default) keeps the
-            caller's: measured on 2 CPUs, nice 19 starved the snapshot copy and the
-            fence waited for it.
+            caller's: where training keeps every core busy, a niced writer starves the
+            snapshot copy and the fence waits for it.
         group, topology, timeout_s: make every save collective over this
             torch.distributed group (every rank calls ``save`` in the same order), as
             ``fp_core.save(..., group=...)``; the collective runs on the worker thread
@@ -344,7 +285,7 @@ class AsyncCheckpointer:
         self._jobs: deque[tuple[Handle, Callable[[], Any]]] = deque()
         self._saves: list[SaveHandle] = []  # saves not yet done, in order
         self._finished: list[Handle] = []  # done with an error nobody has seen yet
-        self._arenas: list[_Arena] = []
+        self._arenas: list[Arena] = []
         self._warm_failed = False  # no memory for one: auto stays on overlap
         self._draining = False  # wait() is draining the queue: a warm-up not begun is skipped
         self._thread: threading.Thread | None = None
@@ -376,20 +317,11 @@ class AsyncCheckpointer:
         self._check_open()
         self._raise_pending()
         self._admit()
-        prepared: Any
-        is_remote, path = remote.split(path)
-        if is_remote:
-            if self.group is not None and not local:
-                raise ValueError(f"collective saves to a remote URL ({path}) are not supported")
-            prepared = remote.RemoteSave(obj, path, self.options, format, metadata, storage_options, keep_local)
-        elif self.group is not None and not local:
-            if format != "torch":
-                raise ValueError("collective saves write the torch format")
-            prepared = CollectiveSave(obj, path, self.group, topology=self.topology, timeout_s=self.timeout_s,
-                                      options=self.options)
-        else:
-            # laid out congruent to the tensors' addresses: overlap writes them with no staging copy
-            prepared = PreparedSave(obj, path, self.options, format, metadata, congruent=True)
+        # laid out congruent to the tensors' addresses: overlap writes them with no staging copy
+        prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
+                               group=None if local else self.group, topology=self.topology,
+                               timeout_s=self.timeout_s, congruent=True, storage_options=storage_options,
+                               keep_local=keep_local)
         storages = prepared.plan.storages if prepared.plan is not None else []
         mark_ready(storages)
         small = [s for s in storages if s.length <= self.small_tensor_bytes]
@@ -404,7 +336,7 @@ class AsyncCheckpointer:
         # With saves in flight (max_in_flight > 1, when_busy="queue") a snapshot still
         # takes a fresh arena of its own: under overlap its fence would wait behind them.
         if policy == "snapshot" and self.policy == "auto" and big and not busy:
-            need, pin = _arena_need(small + big)
+            need, pin = arena_need(small + big)
             if not self._arena_ready(need, pin):
                 policy = "overlap"
                 prepared.stats.extra["policy_reason"] = "snapshot arena not yet warm"
@@ -495,12 +427,12 @@ class AsyncCheckpointer:
                 # a snapshot arena's warm-up is ours, not a pending write (Lightning reads
                 # this to decide whether a checkpoint removal must queue behind a save)
                 return self._jobs_where(internal=False)
-            p = _path_key(path)
+            p = paths.key(path)
             return any(h.path == p for h in self._saves)
 
     def wait_for(self, path: str | os.PathLike) -> None:
         """Block until pending saves of ``path`` are durable (raising their failure)."""
-        p = _path_key(path)
+        p = paths.key(path)
         with self._cv:
             mine = [h for h in self._saves if h.path == p]
         for h in mine:
@@ -618,7 +550,7 @@ class AsyncCheckpointer:
                 self._cv.notify_all()
 
     def _cpu_work_now(self, prepared: Any, policy: str, small: list[StorageExtent],
-                      big: list[StorageExtent]) -> _Arena | None:
+                      big: list[StorageExtent]) -> Arena | None:
         """The work that happens inside ``save()``: copy the small tensors (buffers that
         change during forward: fixed now); with ``cpu_work_at_save``, also the snapshot
         copy or the checksums of the large CPU tensors, spread over the save pool. Returns
@@ -626,7 +558,7 @@ class AsyncCheckpointer:
         at_save = self.cpu_work_at_save
         if at_save is None:
             at_save = all(s.source.device.type == "cpu" for s in big)
-        if isinstance(prepared, CollectiveSave):
+        if prepared.collective:
             at_save = False  # its layout may still move to rank 0's; the peers hear of errors in run()
         t0 = time.perf_counter()
         arena = None
@@ -645,7 +577,7 @@ class AsyncCheckpointer:
                 arena = self._take_arena(copied)
                 carved = dict(zip(map(id, copied), arena.carve(copied)))
                 arena.slots = carved
-                # A new arena's first fill faults in every page (1.4 s for 1.25 GB here):
+                # A new arena's first fill faults in every page (slow: see the module doc):
                 # that once, the large copies are left to the writer, outside save().
                 now = small_cpu + (cpu if policy == "snapshot" and not arena.fresh else [])
                 stage_cpu(now, [carved[id(s)] for s in now], pool=pool, threads=self._pool_threads)
@@ -669,10 +601,9 @@ class AsyncCheckpointer:
             self._pool = ThreadPoolExecutor(max_workers=self._pool_threads, thread_name_prefix="fastpersist-save")
         return self._pool
 
-    def _run_save(self, prepared: PreparedSave | CollectiveSave, policy: str, big: list[StorageExtent],
-                  handle: SaveHandle, on_commit: Callable[[str, SaveStats], None] | None,
-                  arena: _Arena | None, live: _LiveMemory) -> SaveStats:
-        collective = isinstance(prepared, CollectiveSave)
+    def _run_save(self, prepared: SaveJob, policy: str, big: list[StorageExtent], handle: SaveHandle,
+                  on_commit: Callable[[str, SaveStats], None] | None, arena: Arena | None,
+                  live: _LiveMemory) -> SaveStats:
         try:
             if policy == "snapshot" and big:
                 t0 = time.perf_counter()
@@ -683,18 +614,12 @@ class AsyncCheckpointer:
                 try:
                     if todo:
                         snapshot_to_host([s for s, _ in todo], [b for _, b in todo])
-                    live.release(prepared.final, prepared.plan, check=not collective)
-                except Exception as e:
-                    if collective:
-                        prepared.fail(e)  # the other ranks must still hear of it
-                    else:
-                        prepared.abort()
-                        raise
+                    live.release(prepared.final, prepared.plan, check=not prepared.collective)
+                except Exception as e:  # noqa: BLE001 - run() raises it (after telling any peers)
+                    prepared.fail(e)
                 prepared.stats.extra["snapshot_seconds"] = time.perf_counter() - t0
-            if collective:
-                stats = prepared.run(handle._staged.set)
-            else:
-                stats = prepared.write(on_body_written=lambda: live.release(prepared.final, prepared.plan))
+            check = not prepared.collective  # a collective run() must not raise between its exchanges
+            stats = prepared.run(on_body_written=lambda: live.release(prepared.final, prepared.plan, check=check))
         finally:
             live.close()
             for s in big:
@@ -740,13 +665,13 @@ class AsyncCheckpointer:
         return next((i for i, a in enumerate(self._arenas)
                      if a.buf.numel() >= need and a.pin == pin and not (warm and a.fresh)), None)
 
-    def _take_arena(self, extents: list[StorageExtent]) -> _Arena:
-        need, pin = _arena_need(extents)
+    def _take_arena(self, extents: list[StorageExtent]) -> Arena:
+        need, pin = arena_need(extents)
         with self._cv:
             i = self._free_arena(need, pin)
             if i is not None:
                 return self._arenas.pop(i)
-        return _Arena(need, pin, huge=self.huge_pages)
+        return Arena(need, pin, huge=self.huge_pages)
 
     def _arena_ready(self, need: int, pin: bool) -> bool:
         """A warm arena (every page touched) of at least ``need`` bytes is free now."""
@@ -760,7 +685,7 @@ class AsyncCheckpointer:
         try:
             if self._draining:
                 return
-            arena = _Arena(need, pin, huge=self.huge_pages)
+            arena = Arena(need, pin, huge=self.huge_pages)
             # On this thread alone (a strided zero_() also ran on torch's intra-op threads:
             # no faster where fresh memory is slow to fault in, more CPU; native doc).
             # Pinned memory is resident once allocated: nothing to fault in.
@@ -772,7 +697,7 @@ class AsyncCheckpointer:
             log.warning("fastpersist: could not prepare a %d-byte snapshot arena (%s: %s); auto keeps the overlap "
                         "policy", need, type(e).__name__, e)
 
-    def _give_arena(self, arena: _Arena) -> None:
+    def _give_arena(self, arena: Arena) -> None:
         arena.slots, arena.fresh = {}, False
         with self._cv:
             self._arenas.append(arena)

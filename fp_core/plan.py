@@ -1,6 +1,6 @@
 """Turn a Python object into a FilePlan: the skeleton bytes plus the storages' byte extents.
 
-The plan is format-blind downstream (DESIGN D2): the writer, the partitioner and the
+The plan is format-blind downstream: the writer, the partitioner and the
 checksums only see ``pieces`` — ``(file_offset, length, source)`` — that tile the file.
 """
 

@@ -1,4 +1,4 @@
-"""Remote storage tier (DESIGN D8): fsspec URLs behind a fast local staging tier.
+"""Remote storage tier: fsspec URLs behind a fast local staging tier.
 
 A checkpoint for ``s3://``, ``gs://``, ``az://``, ``hdfs://``, ``memory://`` (any fsspec
 URL) is written with the native engine to a private *staging* directory on local disk,
@@ -37,12 +37,10 @@ default unbounded): least recently used entries are evicted to make room.
 
 **Loading** downloads into staging with fsspec (``get_file``: s3fs fetches large
 objects in concurrent ranged parts) and then uses the native fast loader, so
-``verify=True`` checks every byte against the manifest as for a local file. Measured
-against streaming ``torch.load`` through an fsspec file object (192 MiB checkpoint,
-48 x 4 MiB tensors, moto S3 server on loopback, 2 cores): download + native load
-1.6 s, streaming 2.3-2.5 s (its ranged reads are sequential; s3fs downloads in
-concurrent parts). Only for ``memory://``, where the bytes already sit in RAM, does
-streaming win (0.14 s vs 0.6 s) -- not a case worth a second code path.
+``verify=True`` checks every byte against the manifest as for a local file. Downloading
+first beats streaming ``torch.load`` through an fsspec file object (whose ranged reads
+are sequential; s3fs downloads in concurrent parts), except for ``memory://``, where the
+bytes already sit in RAM: not a case worth a second code path.
 
 **Storage options** (credentials, endpoint): pass ``storage_options={...}`` to
 ``fp_core.save`` / ``load`` / ``verify`` / ``AsyncCheckpointer.save`` and every function
@@ -71,8 +69,10 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from . import commit
+from . import commit, integrity, loader
 from .errors import CorruptCheckpointError
+from .paths import is_remote, split
+from .sizes import parse_size
 
 log = logging.getLogger("fastpersist")
 
@@ -88,54 +88,12 @@ OBJECT_STORE_PROTOCOLS = frozenset({
     "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "cos", "tos", "obs",
 })
 
-_URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)(://|::)")
 _lock = threading.Lock()
 _config: dict[str, Any] = {"staging_dir": None, "budget": None}
 _cleaned: set[str] = set()
 
 
 # ---------------------------------------------------------------- paths
-
-
-def _text(path: Any) -> str:
-    if isinstance(path, str):
-        return path
-    try:
-        return os.fspath(path)
-    except TypeError:
-        return str(path)  # e.g. a universal_pathlib UPath of a remote store
-
-
-def split(path: Any) -> tuple[bool, str]:
-    """``(True, url)`` for a remote fsspec URL; ``(False, local_path)`` otherwise.
-
-    A path is remote only when it *starts* with ``proto://`` or with ``proto::`` (a chained
-    URL, ``simplecache::s3://...``) where ``proto`` is a protocol fsspec knows. Anything
-    else is a local path, however many ``::`` it holds (``/d/exp::v2/ckpt.pt`` is a file in
-    the directory ``/d/exp::v2``). ``file://`` and ``local://`` URLs are local: the prefix
-    is stripped so they keep the native fast path.
-    """
-    p = _text(path)
-    m = _URL_RE.match(p)
-    if m is None:
-        return False, p
-    proto = m.group(1).lower()
-    if m.group(2) == "::":
-        return (proto in _chain_protocols()), p
-    if proto in ("file", "local"):
-        return False, p[m.end():] if p[m.end():].startswith("/") else "/" + p[m.end():]
-    return True, p
-
-
-def _chain_protocols() -> frozenset[str]:
-    from fsspec.registry import known_implementations, registry
-
-    return frozenset(known_implementations) | frozenset(registry)
-
-
-def is_remote(path: Any) -> bool:
-    """Does ``path`` name a remote fsspec location (anything but a local path / file://)?"""
-    return split(path)[0]
 
 
 def filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
@@ -168,12 +126,6 @@ def _url(fs: Any, rpath: str) -> str:
 
 
 # ---------------------------------------------------------------- staging
-
-
-def _parse_size(text: str) -> int:
-    t = text.strip().upper().rstrip("B").rstrip("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
 
 
 def configure(staging_dir: str | os.PathLike | None = None, staging_budget_bytes: int | None = None) -> None:
@@ -252,7 +204,7 @@ def staging_budget() -> int | None:
     if _config["budget"] is not None:
         return _config["budget"]
     env = os.environ.get(BUDGET_ENV)
-    return _parse_size(env) if env else None
+    return parse_size(env) if env else None
 
 
 _SLOT_RE = re.compile(r"^[A-Za-z0-9_]+-\d+-[0-9a-f]{12}$")
@@ -498,16 +450,15 @@ def upload_file(local_path: str | os.PathLike, url: str, *, storage_options: dic
 
 
 class RemoteSave:
-    """A save to a remote URL: a local :class:`PreparedSave` in staging, then an upload.
+    """A save to a remote URL (a SaveJob): a :class:`~fp_core.local.LocalSave` into a
+    staging slot, committed there, then uploaded; ``final`` is the URL."""
 
-    Quacks like :class:`fp_core.api.PreparedSave` (``plan``, ``final``, ``stats``,
-    ``write``, ``abort``) so the async pipeline runs it unchanged; ``final`` is the URL.
-    """
+    collective = False
 
     def __init__(self, obj: Any, url: str, options: Any, format: str = "torch",
                  metadata: dict[str, str] | None = None, storage_options: dict | None = None,
                  keep_local: bool = False) -> None:
-        from .api import PreparedSave
+        from .local import LocalSave
 
         self.final = split(url)[1]
         self.storage_options = storage_options
@@ -515,7 +466,7 @@ class RemoteSave:
         filesystem(self.final, storage_options)  # a bad protocol / missing driver fails now
         self.slot = _Slot(_base_name(self.final))
         try:
-            self.local = PreparedSave(obj, self.slot.path, options, format, metadata, mode=0o600)
+            self.local = LocalSave(obj, self.slot.path, options, format, metadata, mode=0o600)
         except BaseException:
             self.slot.close()
             raise
@@ -527,9 +478,9 @@ class RemoteSave:
         except OSError as e:
             log.warning("fastpersist: could not check the staging budget: %s", e)
 
-    def write(self, on_body_written: Any = None, publish: bool = True) -> Any:
+    def run(self, on_body_written: Any = None) -> Any:
         try:
-            st = self.local.write(on_body_written=on_body_written)  # committed in staging
+            st = self.local.run(on_body_written=on_body_written)  # committed in staging
             st.path = self.final
             t0 = time.perf_counter()
             drop_cached(self.final)  # the cached copy (if any) is about to be stale
@@ -545,27 +496,14 @@ class RemoteSave:
         finally:
             self.slot.close()
 
+    def fail(self, error: BaseException) -> None:
+        self.local.fail(error)
+
     def abort(self) -> None:
         try:
             self.local.abort()
         finally:
             self.slot.close()
-
-
-def save(obj: Any, url: str, *, format: str = "torch", metadata: dict[str, str] | None = None,
-         group: Any = None, sharded: bool = False, storage_options: dict | None = None,
-         keep_local: bool = False, **options: Any) -> Any:
-    """``fp_core.save`` to a remote URL: staged locally, committed, uploaded; returns after
-    the upload (the remote copy is complete). See the module doc."""
-    from .engine import EngineOptions
-
-    if group is not None or sharded:
-        raise ValueError(f"collective saves to a remote URL ({url}) are not supported: save to a shared "
-                         "local path, then upload it with fp_core.remote.upload_file on one rank")
-    opts, rest = EngineOptions.pick(dict(options))
-    if rest:
-        raise TypeError(f"fp_core.save got unknown options {sorted(rest)}")
-    return RemoteSave(obj, url, opts, format, metadata, storage_options, keep_local).write()
 
 
 @contextlib.contextmanager
@@ -600,21 +538,17 @@ def fetch(url: str, *, storage_options: dict | None = None, keep_local: bool = F
         slot.close()
 
 
-def load(url: str, map_location: Any = None, weights_only: bool | None = None, verify: bool = False, *,
+def load(url: str, map_location: Any = None, weights_only: bool | None = None, verify: bool | str = False, *,
          storage_options: dict | None = None, keep_local: bool = False) -> Any:
     """``fp_core.load`` of a remote URL: fetched into staging (or the cache), then loaded natively."""
-    from .loader import load as local_load
-
     with fetch(url, storage_options=storage_options, keep_local=keep_local) as local:
-        return local_load(local, map_location=map_location, weights_only=weights_only, verify=verify)
+        return loader.load(local, map_location=map_location, weights_only=weights_only, verify=verify)
 
 
 def verify(url: str, *, storage_options: dict | None = None, keep_local: bool = False) -> dict:
     """``fp_core.verify`` of a remote checkpoint (checked on a staged copy)."""
-    from .integrity import verify as local_verify
-
     with fetch(url, storage_options=storage_options, keep_local=keep_local) as local:
-        return local_verify(local)
+        return integrity.verify(local)
 
 
 def exists(url: str, *, storage_options: dict | None = None) -> bool:
@@ -827,6 +761,6 @@ def download_dir(url: str, local_dir: str | os.PathLike | None = None, *,
 
 __all__ = [
     "STAGING_ENV", "BUDGET_ENV", "COMPLETE_MARKER", "split", "is_remote", "filesystem", "configure",
-    "staging_dir", "staging_budget", "clean_staging", "drop_cached", "upload_file", "RemoteSave", "save",
+    "staging_dir", "staging_budget", "clean_staging", "drop_cached", "upload_file", "RemoteSave",
     "fetch", "load", "verify", "exists", "remove", "upload_dir", "is_complete", "list_complete", "download_dir",
 ]

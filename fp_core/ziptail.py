@@ -1,8 +1,8 @@
 """Read a zip skeleton's central directory and append one stored record, in one pass each.
 
 zipfile can do both (``ZipFile(f, "a")``), but it reads the directory through thousands
-of small reads and rewrites every entry on close: about 35 ms for a checkpoint of 2400
-tensors, a quarter of a save's fixed cost. Here the directory is one read and is copied
+of small reads and rewrites every entry on close, a large share of a save's fixed cost
+for checkpoints of thousands of tensors. Here the directory is one read and is copied
 as bytes; only the appended entry and the end records are new. Stored (uncompressed)
 records only; zip64 where offsets, sizes or counts need it, as zipfile writes it.
 """

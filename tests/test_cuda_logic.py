@@ -29,7 +29,8 @@ import torch
 from conftest import assert_identical, assert_no_temps
 
 import fp_core
-import fp_core.api
+import fp_core.arena
+import fp_core.local
 import fp_core.pipeline
 import fp_core.writer
 from fp_core.engine import EngineOptions, open_engine
@@ -270,7 +271,7 @@ def test_background_device_copies_wait_for_the_callers_stream_at_save(disk_dir, 
     log, _ = fake_cuda
     keys: set[int] = set()
     monkeypatch.setattr(fp_core.plan, "_residue", lambda storage, alignment: 0 if storage._cdata in keys else 64)
-    real_build = fp_core.api.build
+    real_build = fp_core.local.build
 
     def build_(obj, alignment=4096, congruent=False):
         plan = real_build(obj, alignment, congruent=congruent)
@@ -279,7 +280,7 @@ def test_background_device_copies_wait_for_the_callers_stream_at_save(disk_dir, 
                 s.source = s.source.as_subclass(_FakeCudaTensor)
         return plan
 
-    monkeypatch.setattr(fp_core.api, "build", build_)
+    monkeypatch.setattr(fp_core.local, "build", build_)
     state = {"big": torch.randn(2 << 20), "small": torch.randn(100)}  # 8 MiB in the background, 400 B in save()
     keys |= _keys(*state.values())
     path = os.path.join(disk_dir, f"{policy}.pt")
@@ -295,8 +296,8 @@ def test_background_device_copies_wait_for_the_callers_stream_at_save(disk_dir, 
 def test_snapshot_arena_is_pinned_for_device_storages():
     dev, _ = _fake_device_extent(4096, 1)
     cpu = StorageExtent(8192, 100, torch.zeros(100, dtype=torch.uint8), 1)
-    assert fp_core.pipeline._arena_need([cpu])[1] is False
-    size, pin = fp_core.pipeline._arena_need([cpu, dev])
+    assert fp_core.arena.arena_need([cpu])[1] is False
+    size, pin = fp_core.arena.arena_need([cpu, dev])
     assert pin is True and size >= 4096 + 100
 
 
@@ -510,7 +511,7 @@ def emulated_device(monkeypatch):
     them, 10 ms per storage (slower than the step, so the fence has to wait for it)."""
     st = _Staging(delay=0.01)
     keys: set[int] = set()
-    real_build = fp_core.api.build
+    real_build = fp_core.local.build
     monkeypatch.setattr(fp_core.plan, "_residue", lambda storage, alignment: 0 if storage._cdata in keys else 64)
 
     def build_(obj, alignment=4096, congruent=False):
@@ -518,7 +519,7 @@ def emulated_device(monkeypatch):
         _swap_to_device(plan, keys)
         return plan
 
-    monkeypatch.setattr(fp_core.api, "build", build_)
+    monkeypatch.setattr(fp_core.local, "build", build_)
     monkeypatch.setattr(fp_core.writer, "copy_to_host", st.copy_to_host)
     monkeypatch.setattr(fp_core.pipeline, "copy_to_host", st.copy_to_host)
     monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)

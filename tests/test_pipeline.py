@@ -686,7 +686,7 @@ def _writer_idle(ckpt: AsyncCheckpointer) -> None:
 def test_auto_writes_with_overlap_until_a_snapshot_arena_is_warm(disk_dir):
     """auto's first save does not wait for a fresh arena's pages: it writes with overlap
     and the writer warms an arena after it; the next save snapshots into warm pages."""
-    from fp_core.procinfo import resident_bytes
+    from fp_core.tools.procinfo import resident_bytes
     state = {"a": torch.randn(8 * MiB // 4), "b": torch.randn(4 * MiB // 4), "small": torch.arange(10)}
     with AsyncCheckpointer() as ckpt:
         first = ckpt.save(state, os.path.join(disk_dir, "1.pt")).result()
@@ -756,7 +756,7 @@ def test_auto_stays_on_overlap_when_no_arena_can_be_had(disk_dir, monkeypatch, c
             tries.append(nbytes)
             raise MemoryError(f"cannot allocate {nbytes} bytes")
 
-    monkeypatch.setattr(pipeline, "_Arena", NoMemory)
+    monkeypatch.setattr(pipeline, "Arena", NoMemory)
     state = {"a": torch.randn(8 * MiB // 4)}
     with caplog.at_level("WARNING", logger="fastpersist"), AsyncCheckpointer() as ckpt:
         for i in range(3):
@@ -774,7 +774,7 @@ def test_auto_stays_on_overlap_when_no_arena_can_be_had(disk_dir, monkeypatch, c
 
 
 def _needs_thp() -> None:
-    from fp_core.procinfo import thp_mode
+    from fp_core.tools.procinfo import thp_mode
     if thp_mode() not in ("always", "madvise"):
         pytest.skip(f"transparent huge pages are {thp_mode()!r} on this machine")
 
@@ -798,7 +798,7 @@ def _interior(t: torch.Tensor) -> int:
 
 def test_advise_huge_collapses_memory_in_use_and_keeps_its_bytes():
     from fp_core import _native
-    from fp_core.procinfo import huge_page_bytes
+    from fp_core.tools.procinfo import huge_page_bytes
     _needs_thp()
     keep: list = []
     t = _isolated(16 * MiB + 12345, keep)
@@ -816,7 +816,7 @@ def test_advise_huge_collapses_memory_in_use_and_keeps_its_bytes():
 
 @pytest.mark.parametrize("huge", [True, False], ids=["collapse", "default"])
 def test_overlap_moves_live_tensors_onto_huge_pages_once_when_asked(disk_dir, huge):
-    from fp_core.procinfo import huge_page_bytes
+    from fp_core.tools.procinfo import huge_page_bytes
     _needs_thp()
     keep: list = []
     model = torch.nn.Linear(2048, 2048)  # a 16 MiB weight, written in place under overlap
@@ -847,7 +847,7 @@ def test_overlap_moves_live_tensors_onto_huge_pages_once_when_asked(disk_dir, hu
 
 @pytest.mark.parametrize("huge", [True, False])
 def test_snapshot_arena_is_on_huge_pages(disk_dir, huge):
-    from fp_core.procinfo import huge_page_bytes
+    from fp_core.tools.procinfo import huge_page_bytes
     _needs_thp()
     obj = big_obj(32)
     path = os.path.join(disk_dir, "snap.pt")

@@ -1,0 +1,114 @@
+"""A save to a local file: prepared (validated, temporary file open, plan built) on the
+caller's thread, then run (written, synced, committed) on any thread. The synchronous
+``fp_core.save`` runs both; the async pipeline runs the second half in the background.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import commit
+from .engine import EngineOptions, open_engine
+from .errors import CheckpointSerializationError
+from .plan import FilePlan, build
+from .safetensors_plan import build_safetensors
+from .stats import SaveStats
+from .writer import write_single
+
+MIN_ALIGNMENT = 4096
+FORMATS = ("torch", "safetensors")
+
+
+def rename_os_error(e: OSError, final: str) -> OSError:
+    """An OSError from writing the temporary file, re-stated against the checkpoint's own path."""
+    if e.errno is None:
+        return e
+    return OSError(e.errno, f"{e.strerror} (writing checkpoint {final})", final)
+
+
+class LocalSave:
+    """A save to a local file: its layout fixed and its temporary file open (a SaveJob)."""
+
+    collective = False
+
+    def __init__(self, obj: Any, path: str | os.PathLike, options: EngineOptions, format: str = "torch",
+                 metadata: dict[str, str] | None = None, congruent: bool = False,
+                 mode: int | None = None) -> None:
+        """``congruent``: lay CPU tensors out in the file congruent to their addresses, so
+        they can be written without staging (see :func:`fp_core.plan.build`). ``mode``:
+        the file's permission bits (default: 0666 less the umask, as ``torch.save``)."""
+        t0 = time.perf_counter()
+        if format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
+        self.options = options
+        self.final = commit.check_target(os.fspath(path))
+        commit.clean_in_background(os.path.dirname(self.final))  # leftovers of crashed saves, once
+        self.stats = SaveStats(path=self.final)
+        file_mode = 0o666 if mode is None else mode
+        try:
+            self.temp = commit.TempFile(self.final, lambda p, tmpfile: open_engine(
+                p, options, create=True, tmpfile=tmpfile, mode=file_mode))
+        except OSError as e:
+            raise rename_os_error(e, self.final) from e
+        self.engine = self.temp.engine
+        try:
+            alignment = max(MIN_ALIGNMENT, self.engine.alignment)
+            try:
+                if format == "torch":
+                    self.plan: FilePlan = build(obj, alignment, congruent=congruent)
+                else:
+                    self.plan = build_safetensors(obj, alignment, metadata)
+            except (OSError, MemoryError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # pickle raises PicklingError, TypeError, AttributeError...
+                raise CheckpointSerializationError(
+                    f"cannot serialise the checkpoint for {self.final}: {type(e).__name__}: {e}") from e
+        except BaseException:
+            self.abort()
+            raise
+        self.stats.serialize_seconds = self.plan.serialize_seconds = time.perf_counter() - t0
+        self._t0 = t0
+        self._failed: BaseException | None = None
+
+    def run(self, on_body_written: Callable[[], None] | None = None, publish: bool = True) -> SaveStats:
+        """Write, sync and (unless ``publish=False``) publish.
+
+        On failure the temp file is removed and nothing is published.
+        """
+        if self._failed is not None:
+            self.abort()
+            raise self._failed
+        try:
+            with self.engine:
+                rs = write_single(self.engine, self.plan, self.options, on_body_written)
+                t_sync = time.perf_counter()
+                self.engine.sync()
+            if publish:
+                self.publish()
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError) and getattr(e, "filename", None) in (self.temp.engine_path, self.temp.name):
+                raise rename_os_error(e, self.final) from e
+            raise
+        st = self.stats
+        st.sync_seconds = time.perf_counter() - t_sync
+        st.bytes = self.plan.file_size
+        st.backend, st.backend_reason, st.alignment = self.engine.backend, self.engine.backend_reason, self.plan.alignment
+        st.copy_seconds, st.write_seconds = rs.copy_seconds, rs.seconds
+        st.device_copy_seconds = rs.device_copy_seconds
+        st.requests, st.short_writes = rs.requests, rs.short_writes
+        st.extra["zero_copy_bytes"] = rs.zero_copy_bytes
+        st.seconds = time.perf_counter() - self._t0
+        return st
+
+    def publish(self) -> None:
+        self.temp.publish()
+
+    def fail(self, error: BaseException) -> None:
+        self._failed = error
+
+    def abort(self) -> None:
+        self.temp.abort()

@@ -1,0 +1,115 @@
+"""The architecture, checked from the code's own imports (parsed with ast, lazy ones too).
+
+* no import cycle inside ``fp_core``, ``fp_core.tools`` or ``fp_integrations``;
+* the runtime (``fp_core`` outside ``fp_core.tools``) never imports Lightning, transformers
+  or the tools;
+* the integrations use only the core's public modules, never the native engine or the
+  core's internals (they know their framework; the core knows torch and files).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("fp_core", "fp_integrations")
+FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "transformers", "accelerate")
+# What an integration may import from the core: the package and these modules.
+CORE_PUBLIC = {"fp_core", "fp_core.api", "fp_core.pipeline", "fp_core.remote", "fp_core.commit",
+               "fp_core.retention", "fp_core.distributed", "fp_core.paths", "fp_core.errors", "fp_core.stats",
+               "fp_core.engine", "fp_core.optim_hooks", "fp_core.job"}
+
+
+def _modules() -> dict[str, str]:
+    """module name -> file, for every module of the packages."""
+    out = {}
+    for pkg in PACKAGES:
+        for root, _, files in os.walk(os.path.join(REPO, pkg)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(root, f), REPO)[:-3].replace(os.sep, ".")
+                    out[rel.removesuffix(".__init__")] = os.path.join(root, f)
+    return out
+
+
+def _imports(name: str, path: str, known: set[str]) -> set[str]:
+    """Every module ``name`` imports (at any depth of the file), resolved to known modules
+    where it names one (``from . import x`` is module x; ``from .m import f`` is module m)."""
+    is_pkg = path.endswith("__init__.py")
+    base = name if is_pkg else name.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base.split(".")
+                mod = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in known]
+            out |= set(subs) if subs and len(subs) == len(node.names) else {mod} | set(subs)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    known = set(mods) | {"fp_core._native"}  # the compiled engine
+    return {m: {i for i in _imports(m, p, known)} for m, p in mods.items()}
+
+
+def _cycles(graph: dict[str, set[str]], members: set[str]) -> list[list[str]]:
+    """Import cycles among ``members`` (a package's own modules, the package itself aside:
+    its __init__ importing its modules is how a package exposes them)."""
+    edges = {m: {i for i in graph[m] if i in members and i != m} for m in members}
+    found, state, stack = [], {}, []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges[m]):
+            if state.get(n) == 1:
+                found.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(members):
+        if m not in state:
+            visit(m)
+    return found
+
+
+def test_no_import_cycle_inside_a_package():
+    g = _graph()
+    for pkg in ("fp_core", "fp_core.tools", "fp_integrations"):
+        members = {m for m in g if m.startswith(pkg + ".") and m.count(".") == pkg.count(".") + 1
+                   and not (pkg == "fp_core" and m.startswith("fp_core.tools"))}
+        assert _cycles(g, members) == [], f"import cycles in {pkg}"
+
+
+def test_the_runtime_knows_neither_frameworks_nor_tools():
+    g = _graph()
+    for m, imports in g.items():
+        if m.startswith("fp_core") and not m.startswith("fp_core.tools"):
+            bad = {i for i in imports if i.split(".")[0] in FRAMEWORKS or i.startswith("fp_core.tools")}
+            assert not bad, f"{m} imports {sorted(bad)}"
+
+
+def test_integrations_use_only_the_cores_public_modules():
+    g = _graph()
+    for m, imports in g.items():
+        if m.startswith("fp_integrations"):
+            core = {i for i in imports if i.split(".")[0] == "fp_core"}
+            assert core <= CORE_PUBLIC, f"{m} imports core internals {sorted(core - CORE_PUBLIC)}"
+
+
+def test_the_checker_sees_what_it_checks():
+    """The rules above would pass vacuously if the parser found no imports."""
+    g = _graph()
+    assert "fp_core.local" in g["fp_core.api"] and "fp_core.remote" in g["fp_core.api"]  # a lazy import counts
+    assert "fp_core._native" in g["fp_core.writer"]
+    assert "lightning" in {i.split(".")[0] for i in g["fp_integrations.lightning"]}
+    assert _cycles({"a": {"b"}, "b": {"a"}}, {"a", "b"}) == [["a", "b", "a"]]
