@@ -62,7 +62,7 @@ DEFAULT_ROOT = "/work/bench-tmp"
 CORE_MODES = ("sync", "async", "dist-sync", "dist-async")
 MIB = {"sync": 16, "async": 16, "dist-sync": 16, "dist-async": 16}
 WEIGHTS = {"sync": 0.3, "async": 0.3, "dist-sync": 0.2, "dist-async": 0.2}
-CLI = [sys.executable, "-m", "fp_core.cli"]
+CLI = [sys.executable, "-m", "fp_core.tools.cli"]
 
 
 def log(msg: str) -> None:

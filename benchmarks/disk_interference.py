@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp_core.bench_async import Trainer, calibrate_batch  # noqa: E402
+from fp_core.tools.bench_async import Trainer, calibrate_batch  # noqa: E402
 
 
 def median_step(tr: Trainer, n: int) -> float:

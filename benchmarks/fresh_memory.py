@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp_core import _native  # noqa: E402
-from fp_core.pipeline import _Arena  # noqa: E402
+from fp_core.arena import Arena as _Arena  # noqa: E402
 
 
 def fault(size: int) -> str:
@@ -43,7 +43,7 @@ def fault(size: int) -> str:
 
 
 def beside(size: int, threads: int, nice: int, batch: int) -> str:
-    from fp_core.bench_async import Trainer
+    from fp_core.tools.bench_async import Trainer
 
     tr = Trainer(3072, 10, batch)
     tr.step()

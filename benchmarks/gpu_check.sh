@@ -62,7 +62,7 @@ if [ "$MODE" = setup ]; then
             echo "setup.py build_ext failed; compiling with the C compiler directly"
             EXT=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
             INC=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-            "${CC:-cc}" -O2 -std=gnu11 -shared -fPIC -I"$INC" native/fastpersist.c -o "fp_core/_native$EXT" -lpthread \
+            "${CC:-cc}" -O2 -std=gnu11 -shared -fPIC -I"$INC" native/*.c -o "fp_core/_native$EXT" -lpthread \
                 || exit 1
         fi
         "$PY" -c "import fp_core._native" || exit 1
@@ -196,19 +196,19 @@ fi
 
 if [ "$HAS_GPU" = 1 ]; then
     phase cuda-tests 130 30 "$PY" "${PYTEST_ARGS[@]}" -m cuda -q -rfEsxX --durations=10 tests/test_cuda.py
-    phase bench-async 200 60 "$PY" -m fp_core.cli "${ASYNC_ARGS[@]}" --json-out "$LOGS/bench-async.json"
-    phase bench-sync 90 30 "$PY" -m fp_core.cli "${SYNC_ARGS[@]}" --json-out "$LOGS/bench-sync.json"
+    phase bench-async 200 60 "$PY" -m fp_core.tools.cli "${ASYNC_ARGS[@]}" --json-out "$LOGS/bench-async.json"
+    phase bench-sync 90 30 "$PY" -m fp_core.tools.cli "${SYNC_ARGS[@]}" --json-out "$LOGS/bench-sync.json"
     phase lightning 75 30 "$PY" examples/lightning_finetune.py --large --accelerator gpu --steps 4 --dir "$WORK/lightning"
     phase hf 75 30 "$PY" examples/hf_finetune.py --large --device cuda --steps 4 --save-steps 2 --dir "$WORK/hf"
 else
     echo "== no CUDA device here (torch.cuda.is_available() is False): checking that the GPU run would start"
-    phase dry-imports 60 10 "$PY" -c "import fp_core, fp_core.bench, fp_core.bench_async, fp_core._native, \
+    phase dry-imports 60 10 "$PY" -c "import fp_core, fp_core.tools.cli, fp_core.tools.bench, fp_core.tools.bench_async, fp_core._native, \
 fp_integrations.lightning, fp_integrations.hf, lightning, transformers, accelerate, safetensors, pytest, fsspec, numpy; \
 print('imports ok')"
     phase dry-collect 90 10 bash -c '"$0" "$@" | tee /dev/stderr | grep -Eq "^[0-9]+ tests? collected"' \
         "$PY" "${PYTEST_ARGS[@]}" -m cuda --collect-only -q tests/test_cuda.py
-    phase dry-bench-async 60 10 "$PY" -m fp_core.cli "${ASYNC_ARGS[@]}" --dry-run
-    phase dry-bench-sync 60 10 "$PY" -m fp_core.cli "${SYNC_ARGS[@]}" --dry-run
+    phase dry-bench-async 60 10 "$PY" -m fp_core.tools.cli "${ASYNC_ARGS[@]}" --dry-run
+    phase dry-bench-sync 60 10 "$PY" -m fp_core.tools.cli "${SYNC_ARGS[@]}" --dry-run
     phase dry-examples 90 10 bash -c '"$0" examples/lightning_finetune.py --help | grep -q -- --accelerator &&
         "$0" examples/hf_finetune.py --help | grep -q -- "--device" && echo "example options ok"' "$PY"
 fi

@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from fp_core import _native  # noqa: E402
-from fp_core.bench import parse_size  # noqa: E402
+from fp_core.tools.bench_args import size_arg as parse_size  # noqa: E402
 
 MADV_NOHUGEPAGE = 15
 

@@ -24,14 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-
-def parse_size(s: str) -> int:
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    low = s.strip().lower()
-    for u in sorted(units, key=len, reverse=True):
-        if low.endswith(u):
-            return int(float(low[: -len(u)]) * units[u])
-    return int(low)
+from fp_core.sizes import parse_size  # noqa: E402
 
 
 def rank_main(rank: int, world: int, port: str, d: str, size: int, repeat: int) -> None:

@@ -29,8 +29,8 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 import fp_core  # noqa: E402
-from fp_core.procinfo import fd_count as fds  # noqa: E402
-from fp_core.procinfo import status_field as status  # noqa: E402
+from fp_core.tools.procinfo import fd_count as fds  # noqa: E402
+from fp_core.tools.procinfo import status_field as status  # noqa: E402
 
 
 def sample(i: int, t0: float) -> dict:

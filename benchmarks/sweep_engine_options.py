@@ -10,7 +10,9 @@ import os
 import time
 
 from fp_core import save
-from fp_core.bench import make_state_dict, parse_size, payload_bytes
+from fp_core.tools.bench import make_state_dict
+from fp_core.tools.bench_args import size_arg as parse_size
+from fp_core.tools.common import payload_bytes
 
 SETTINGS = [
     {},

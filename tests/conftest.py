@@ -234,8 +234,8 @@ def assert_no_temps(directory: str) -> None:
 # ---------------------------------------------------------------- process resources
 
 
-from fp_core.procinfo import fd_count  # noqa: E402
-from fp_core.procinfo import status_field as _status_field  # noqa: E402
+from fp_core.tools.procinfo import fd_count  # noqa: E402
+from fp_core.tools.procinfo import status_field as _status_field  # noqa: E402
 
 
 def thread_count() -> int:

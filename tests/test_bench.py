@@ -11,13 +11,13 @@ import sys
 import pytest
 import torch
 
-from fp_core.bench import paired_ratio
+from fp_core.tools.bench import paired_ratio
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bench(args: list[str], cwd: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "fp_core.bench", *args, "--json"], cwd=cwd,
+    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "bench", *args, "--json"], cwd=cwd,
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -75,7 +75,7 @@ def test_async_bench_rounds(tmp_path):
 def test_merge_rounds_keeps_one_time_costs_out_of_the_measured_steps():
     """The warm-up iterations' extra time is its own figure ("warm-up +s"), per round
     against the same round's baseline, and never enters slowdown or cost/ckpt."""
-    from fp_core.bench_async import merge_rounds
+    from fp_core.tools.bench_async import merge_rounds
 
     def run(mode, steps, warm):
         return {"mode": mode, "label": mode, "step_seconds": steps, "total_seconds": sum(steps),
@@ -91,7 +91,7 @@ def test_merge_rounds_keeps_one_time_costs_out_of_the_measured_steps():
 
 
 def test_median_ci_is_the_order_statistics_interval():
-    from fp_core.bench_async import median_ci
+    from fp_core.tools.bench_async import median_ci
 
     assert median_ci([0.01] * 5) is None  # 5 rounds cannot give 95%
     xs = [0.07, 0.01, 0.05, 0.03, 0.02, 0.08, 0.04, 0.06]
@@ -101,7 +101,7 @@ def test_median_ci_is_the_order_statistics_interval():
 
 
 def test_slowdown_target_says_whether_the_run_settles_it():
-    from fp_core.bench_async import async_targets, median_ci
+    from fp_core.tools.bench_async import async_targets, median_ci
 
     def mode(name, per_round):
         return {"mode": name, "slowdown": sorted(per_round)[len(per_round) // 2], "slowdown_ci": median_ci(per_round),
@@ -116,7 +116,7 @@ def test_slowdown_target_says_whether_the_run_settles_it():
 
 
 def test_disk_floor_writes_the_checkpoints_bytes(tmp_path):
-    from fp_core.bench_async import DiskOnly, Trainer, _tensors
+    from fp_core.tools.bench_async import DiskOnly, Trainer, _tensors
 
     tr = Trainer(64, 2, 8)
     tr.step()
@@ -159,7 +159,7 @@ def test_overlap_huge_runs_only_beside_the_baselines(tmp_path):
     res = _bench(args + ["--modes", "none,disk,overlap_huge"], cwd=str(tmp_path))
     assert [m["mode"] for m in res["modes"]] == ["none", "disk", "overlap_huge"]
     assert res["modes"][2]["fp_stats"]["policy"] == "overlap"
-    out = subprocess.run([sys.executable, "-m", "fp_core.bench", *args, "--modes", "none,overlap,overlap_huge"],
+    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "bench", *args, "--modes", "none,overlap,overlap_huge"],
                          cwd=str(tmp_path), capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode != 0 and "overlap_huge moves the trainer's tensors" in out.stderr
@@ -169,7 +169,7 @@ def test_overlap_huge_runs_only_beside_the_baselines(tmp_path):
 def test_calibration_lands_within_tolerance_of_a_nonlinear_step(monkeypatch):
     """The batch search converges on a step time that is far from linear in the batch
     (a clock advanced by the fake step, so the test does not depend on this machine)."""
-    import fp_core.bench_async as ba
+    import fp_core.tools.bench_async as ba
 
     def cost_ms(b: int) -> float:
         return 5 + 0.002 * b ** 1.5
@@ -193,7 +193,7 @@ def test_calibration_lands_within_tolerance_of_a_nonlinear_step(monkeypatch):
 
 def test_async_bench_dry_run_for_cuda_needs_no_device(tmp_path):
     """The GPU command line of benchmarks/gpu_check.sh parses and sizes itself anywhere."""
-    from fp_core.bench_async import checkpoint_bytes
+    from fp_core.tools.bench_async import checkpoint_bytes
 
     args = ["--async", "--device", "cuda", "--dtype", "bfloat16", "--adam", "fused", "--width", "8192", "--layers", "14",
             "--modes", "none,auto,overlap,snapshot,torch,lightning,dcp", "--iters", "2", "--warmup", "1",
@@ -204,7 +204,7 @@ def test_async_bench_dry_run_for_cuda_needs_no_device(tmp_path):
     assert plan["modes"] == ["none", "auto", "overlap", "snapshot", "torch", "lightning", "dcp"]
     assert plan["write_probe"] is False
     assert not (tmp_path / "a").exists()  # nothing built, nothing written
-    out = subprocess.run([sys.executable, "-m", "fp_core.cli", "bench", *args], cwd=str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "bench", *args], cwd=str(tmp_path),
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0 and out.stdout.startswith("dry run: MLP 14x8192 bfloat16 on cuda (939.6M params + "
                                                          "fused Adam)"), out.stdout + out.stderr
@@ -216,7 +216,7 @@ def test_sync_bench_dry_run_for_cuda(tmp_path):
     assert plan["dry_run"] and plan["device"] == "cuda" and plan["size_bytes"] == 4 << 30
     assert plan["rows"] == ["device", "torch", "fastpersist", "load_torch", "load_fastpersist"]
     assert not (tmp_path / "s").exists()
-    out = subprocess.run([sys.executable, "-m", "fp_core.bench", "--only", "nope", "--dry-run"], cwd=str(tmp_path),
+    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "bench", "--only", "nope", "--dry-run"], cwd=str(tmp_path),
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode != 0 and "unknown rows" in out.stderr
 
@@ -224,15 +224,15 @@ def test_sync_bench_dry_run_for_cuda(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("extra", [["--async"], []], ids=["async", "sync"])
 def test_device_cuda_without_a_gpu_is_refused_with_a_reason(tmp_path, extra):
-    out = subprocess.run([sys.executable, "-m", "fp_core.bench", *extra, "--device", "cuda", "--size", "1MiB",
+    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "bench", *extra, "--device", "cuda", "--size", "1MiB",
                           "--dir", str(tmp_path / "x")], cwd=str(tmp_path), capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode != 0 and "no CUDA device here" in out.stderr
 
 
 def test_checkpoint_bytes_matches_the_trainers_checkpoint():
-    from fp_core.bench import payload_bytes
-    from fp_core.bench_async import Trainer, checkpoint_bytes
+    from fp_core.tools.bench_async import Trainer, checkpoint_bytes
+    from fp_core.tools.common import payload_bytes
 
     for dtype, fused in ((torch.float32, False), (torch.bfloat16, False), (torch.float32, True)):
         tr = Trainer(64, 3, 4, dtype=dtype, fused_adam=fused)
@@ -245,7 +245,7 @@ def test_checkpoint_bytes_matches_the_trainers_checkpoint():
 
 @pytest.mark.filterwarnings("ignore")
 def test_async_bench_dtype_json_out_and_no_write_probe(tmp_path):
-    from fp_core.bench_async import checkpoint_bytes, format_async
+    from fp_core.tools.bench_async import checkpoint_bytes, format_async
 
     json_out = tmp_path / "res.json"
     res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,overlap", "--iters", "1", "--warmup", "0",
@@ -260,8 +260,8 @@ def test_async_bench_dtype_json_out_and_no_write_probe(tmp_path):
 
 @pytest.mark.filterwarnings("ignore")
 def test_a_failing_mode_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
-    import fp_core.bench_async as ba
-    from fp_core.bench import add_arguments
+    import fp_core.tools.bench_async as ba
+    from fp_core.tools.bench_args import add_arguments
 
     def boom(self, tr):
         raise OSError(28, "No space left on device")
@@ -290,7 +290,7 @@ def test_a_failing_mode_is_reported_and_the_others_still_run(tmp_path, monkeypat
 
 
 def test_calibration_caps_the_batch_and_starts_where_told(monkeypatch):
-    import fp_core.bench_async as ba
+    import fp_core.tools.bench_async as ba
 
     seen: list[int] = []
 

@@ -347,7 +347,7 @@ def _lightning_io():
 
 @pytest.mark.parametrize("case", sorted(CRAFTED))
 def test_crafted_manifest_is_a_corrupt_checkpoint_everywhere(tmp_path, case):
-    from fp_core import cli
+    from fp_core.tools import cli
 
     path = str(tmp_path / "crafted.pt")
     fp_core.save(_many_tensors(), path)
@@ -368,7 +368,7 @@ def test_crafted_manifest_is_a_corrupt_checkpoint_everywhere(tmp_path, case):
 
 
 def test_cli_verify_reports_and_continues(tmp_path, capsys):
-    from fp_core import cli
+    from fp_core.tools import cli
 
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"PK\x03\x04" + b"\x00" * 100)

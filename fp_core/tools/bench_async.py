@@ -61,7 +61,6 @@ import argparse
 import gc
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -71,12 +70,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .bench import describe_device, format_targets, payload_bytes
+from ..commit import fsync_file
+from .bench_args import DTYPE_NAMES, MODES, engine_options
+from .common import describe_device, format_targets, payload_bytes, remove
 from .procinfo import cpu_seconds
 
-# Run order inside a round (each mode between two no-checkpoint runs): the fp_core modes
-# first, the modes that leave dirty page cache behind (torch.save without O_DIRECT) last.
-MODES = ("none", "disk", "auto", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "overlap_huge", "torch", "lightning", "dcp")
 LABELS = {
     "none": "no checkpoint",
     "disk": "  floor: same bytes to disk, no ckpt",
@@ -91,32 +89,7 @@ LABELS = {
     "overlap_huge": "  overlap, live tensors moved to huge pages",
 }
 BACKGROUND_MODES = ("overlap_bg", "snapshot_bg")  # cpu_work_at_save=False
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def add_async_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("async benchmark (--async)")
-    g.add_argument("--modes", default=",".join(m for m in MODES if m != "overlap_huge"),
-                   help=f"comma list of {','.join(MODES)} (default: all but overlap_huge, which runs "
-                        "only beside none and disk)")
-    g.add_argument("--iters", type=int, default=8, help="measured iterations per mode (default 8)")
-    g.add_argument("--warmup", type=int, default=2, help="warm-up iterations per mode (default 2)")
-    g.add_argument("--rounds", type=int, default=2,
-                   help="rounds; each runs every mode once, slowdowns are per-round medians (default 2)")
-    g.add_argument("--width", type=int, default=3072, help="MLP width (default 3072)")
-    g.add_argument("--layers", type=int, default=10, help="MLP layers (default 10: ~94M params, 1.1 GB ckpt)")
-    g.add_argument("--batch", type=int, help="batch size (default: chosen so one step takes --compute-ms)")
-    g.add_argument("--compute-ms", type=float, default=2000.0,
-                   help="target compute per iteration, forward+backward+step (default 2000)")
-    g.add_argument("--torch-threads", type=int, help="torch.set_num_threads for training (default: torch's)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="parameter (and Adam state) dtype of the MLP (default float32)")
-    g.add_argument("--adam", choices=("default", "fused"), default="default",
-                   help="torch.optim.Adam as constructed by default (its step counters on the CPU) or with "
-                        "fused=True (everything on the model's device; what GPU training often uses)")
-    g.add_argument("--no-write-probe", dest="write_probe", action="store_false",
-                   help="skip the 'write alone' probe (two fp_core.save and two torch.save of the checkpoint "
-                        "before the rounds)")
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class Trainer:
@@ -211,14 +184,6 @@ def calibrate_batch(tr: Trainer, target_ms: float, tolerance: float = 0.05, trie
     return guess
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Mode:
     """One way of checkpointing: ``save`` after each step, ``before_step`` hooks, ``drain``."""
 
@@ -243,7 +208,7 @@ class DiskOnly(Mode):
         super().__init__(path)
         from concurrent.futures import ThreadPoolExecutor
 
-        from .engine import EngineOptions
+        from ..engine import EngineOptions
         self.options = EngineOptions(**engine_options)
         tensors = _tensors(tr.state())  # device tensors too: their bytes are what a checkpoint writes
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -265,7 +230,7 @@ class DiskOnly(Mode):
         self.future: Any = None
 
     def _write(self) -> None:
-        from .engine import open_engine
+        from ..engine import open_engine
         tmp = self.path + ".tmp"  # a new file replacing the last, as a checkpoint commit does
         eng = open_engine(tmp, self.options)
         try:
@@ -303,7 +268,7 @@ class TorchSync(Mode):
     def save(self, tr: Trainer) -> None:
         t0 = time.perf_counter()
         torch.save(tr.state(), self.path)
-        fsync_path(self.path)
+        fsync_file(self.path)
         self.blocked += time.perf_counter() - t0
 
 
@@ -358,7 +323,7 @@ class FastPersistAsync(Mode):
     def __init__(self, path: str, policy: str, engine_options: dict[str, Any],
                  cpu_work_at_save: bool | None = None, collapse_live_tensors: bool = False) -> None:
         super().__init__(path)
-        from .pipeline import AsyncCheckpointer
+        from ..pipeline import AsyncCheckpointer
         self.ckpt = AsyncCheckpointer(policy=policy, cpu_work_at_save=cpu_work_at_save,
                                       collapse_live_tensors=collapse_live_tensors, **engine_options)
         inner = self.ckpt.fence
@@ -380,11 +345,6 @@ class FastPersistAsync(Mode):
         self.ckpt.close()
         self.stats = [h.result() for h in getattr(self, "handles", [])]
         self.huge_page_bytes = self.ckpt.huge_page_bytes
-
-
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in ("backend", "queue_depth", "chunk_bytes", "copy_threads", "io_threads")
-            if getattr(args, k, None) is not None}
 
 
 def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
@@ -434,7 +394,7 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
             mode.drain()
         except BaseException:  # noqa: BLE001
             pass
-        _remove(path)
+        remove(path)
         raise
     out = {"mode": mode_name, "label": getattr(mode, "label", LABELS[mode_name]), "step_seconds": steps,
            "median_step": statistics.median(steps), "mean_step": statistics.mean(steps),
@@ -449,7 +409,7 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
                            "huge_page_bytes": mode.huge_page_bytes,
                            # every save's policy in order, warm-up included (auto changes its mind)
                            "policies": [x.policy for x in mode.stats]}
-    _remove(path)
+    remove(path)
     del mode
     gc.collect()
     if tr.device.type == "cuda":  # clones and staging copies a mode left in the caching allocator
@@ -458,16 +418,9 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
     return out
 
 
-def _remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
-        os.unlink(path)
-
-
 def measure_writes(tr: Trainer, workdir: str, engine_options: dict[str, Any]) -> dict[str, float]:
     """The write alone, on an idle machine: fp_core.save and torch.save + fsync (best of 2)."""
-    from .api import save
+    from ..api import save
     p = os.path.join(workdir, "async-write-probe.pt")
     fp, ts = [], []
     for _ in range(2):
@@ -475,7 +428,7 @@ def measure_writes(tr: Trainer, workdir: str, engine_options: dict[str, Any]) ->
         os.unlink(p)
         t0 = time.perf_counter()
         torch.save(tr.state(), p)
-        fsync_path(p)
+        fsync_file(p)
         ts.append(time.perf_counter() - t0)
         os.unlink(p)
     return {"fastpersist_save": min(fp), "torch_save": min(ts)}
@@ -500,7 +453,7 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         torch.set_num_threads(args.torch_threads)
     workdir = args.dir
     os.makedirs(workdir, exist_ok=True)
-    eng = _engine_options(args)
+    eng = engine_options(args)
     fused = getattr(args, "adam", "default") == "fused"
     tr = Trainer(args.width, args.layers, args.batch or 8, device=device, dtype=dtype, fused_adam=fused)
     if args.batch:
@@ -607,7 +560,7 @@ def _dry_run(args: argparse.Namespace, modes: list[str], device: torch.device, d
             "params": args.layers * (args.width ** 2 + args.width), "checkpoint_bytes": nbytes,
             "modes": modes, "iters": args.iters, "warmup": args.warmup, "rounds": max(1, args.rounds),
             "batch": args.batch, "compute_ms": args.compute_ms, "write_probe": getattr(args, "write_probe", True),
-            "dir": os.path.abspath(args.dir), "engine_options": _engine_options(args)}
+            "dir": os.path.abspath(args.dir), "engine_options": engine_options(args)}
     if args.json:
         print(json.dumps(plan, indent=2))
     else:

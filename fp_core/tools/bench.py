@@ -7,7 +7,7 @@ read a file whose pages were dropped from the page cache first (cold). GB/s is a
 *tensor payload bytes* / seconds, so every row is measured against the same work.
 
     fastpersist bench --dir /mnt/nvme/bench --size 4GiB --repeat 3 --plot bench.png
-    python -m fp_core.bench --size 1GiB --json
+    python -m fp_core.tools.cli bench --size 1GiB --json
 
 ``--device cuda`` builds the state dict on the GPU: the save rows then include the copy to the
 host (torch.save's own, fp_core's pinned staging on a side stream), and the load rows load onto
@@ -23,8 +23,6 @@ import gc
 import io
 import json
 import os
-import re
-import shutil
 import statistics
 import sys
 import time
@@ -35,16 +33,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..commit import fsync_file
+from .bench_args import ALL_ROWS, LOAD_ROWS, SAVE_ROWS, engine_options
+from .common import describe_device, format_targets, payload_bytes, remove
 from .procinfo import status_field
 
 MiB = 1 << 20
 GiB = 1 << 30
-DEFAULT_SIZE = "1GiB"
-
-SAVE_ROWS = ("device", "torch", "lightning", "safetensors", "dcp", "fastpersist")
-LOAD_ROWS = ("load_device", "load_torch", "load_torch_mmap", "load_safetensors", "load_fastpersist",
-             "load_fastpersist_verify")
-ALL_ROWS = SAVE_ROWS + LOAD_ROWS
 
 LABELS = {
     "device": "(a) device limit: native Engine, zero-copy, + fdatasync",
@@ -60,21 +55,6 @@ LABELS = {
     "load_fastpersist": "fp_core.load",
     "load_fastpersist_verify": "fp_core.load(verify=True)",
 }
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": MiB, "mb": 1000**2, "mib": MiB,
-          "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """'4GiB' -> 4294967296; KiB/MiB/GiB are powers of two, KB/MB/GB of ten, K/M/G binary."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB, 4GiB)")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
-    return n
-
 
 def fmt_bytes(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
@@ -132,16 +112,6 @@ def make_state_dict(nbytes: int, seed: int = 0, device: str | torch.device = "cp
     return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "epoch": 3, "global_step": 1000}
 
 
-def payload_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.untyped_storage().nbytes()
-    if isinstance(obj, dict):
-        return sum(payload_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(payload_bytes(v) for v in obj)
-    return 0
-
-
 def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """{dotted.name: tensor} of every tensor in ``obj`` (what safetensors can store)."""
     out: dict[str, torch.Tensor] = {}
@@ -154,12 +124,6 @@ def flatten_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         for i, v in enumerate(obj):
             out.update(flatten_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
     return out
-
-
-def describe_device(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    return str(device)
 
 
 # ---------------------------------------------------------------------------- measurement
@@ -193,14 +157,6 @@ def check_peak_reset() -> bool:
     return _status_kib("VmHWM") < high - 128 * 1024
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def drop_cache(path: str) -> None:
     """Evict ``path``'s pages from the page cache (fdatasync first so none are dirty)."""
     paths = [os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path) else [path]
@@ -216,13 +172,6 @@ def drop_cache(path: str) -> None:
 def drop_all_caches() -> bool:
     """Drop the whole page cache when allowed (root); False where it is not."""
     return _write_proc("/proc/sys/vm/drop_caches", "1\n")
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
-        os.unlink(path)
 
 
 def settle(seconds: float = 0.5) -> None:
@@ -338,7 +287,7 @@ def _aligned_buffer(nbytes: int, align: int) -> np.ndarray:
 
 
 def save_device(path: str, buf: np.ndarray, opts: dict[str, Any]) -> dict:
-    from . import _native
+    from .. import _native
 
     eng = _native.Engine(path, create=True, **opts)
     try:
@@ -351,7 +300,7 @@ def save_device(path: str, buf: np.ndarray, opts: dict[str, Any]) -> dict:
 
 def save_torch(sd: Any, path: str) -> None:
     torch.save(sd, path)
-    fsync_path(path)
+    fsync_file(path)
 
 
 def _lightning_atomic_save() -> Callable[[Any, str], None]:
@@ -369,13 +318,13 @@ def _lightning_atomic_save() -> Callable[[Any, str], None]:
 
 def save_lightning(sd: Any, path: str, atomic_save: Callable[[Any, str], None]) -> None:
     atomic_save(sd, path)
-    fsync_path(path)
+    fsync_file(path)
 
 
 def save_safetensors(flat: dict[str, torch.Tensor], path: str) -> None:
     from safetensors.torch import save_file
     save_file(flat, path)
-    fsync_path(path)
+    fsync_file(path)
 
 
 def save_dcp(sd: Any, path: str) -> None:
@@ -385,13 +334,13 @@ def save_dcp(sd: Any, path: str) -> None:
 
 
 def save_fastpersist(sd: Any, path: str, opts: dict[str, Any]) -> Any:
-    from .api import save
+    from ..api import save
     return save(sd, path, **opts)
 
 
 # ---------------------------------------------------------------------------- load rows
 def load_device(path: str, buf: np.ndarray, nbytes: int) -> None:
-    from . import _native
+    from .. import _native
     r = _native.Reader(path, direct=True)
     try:
         r.read_into(0, buf.ctypes.data, nbytes, checksum=False, threads=4)
@@ -418,15 +367,6 @@ def load_safetensors(path: str, device: str = "cpu") -> Any:
 
 
 # ---------------------------------------------------------------------------- the run
-def _opts_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    for name in ("backend", "queue_depth", "chunk_bytes", "copy_threads", "io_threads"):
-        v = getattr(args, name, None)
-        if v is not None:
-            opts[name] = v
-    return opts
-
-
 def selected_rows(args: argparse.Namespace) -> list[str]:
     only = [r.strip() for r in args.only.split(",")] if args.only else list(ALL_ROWS)
     unknown = [r for r in only if r not in ALL_ROWS]
@@ -466,7 +406,7 @@ def dry_run(args: argparse.Namespace) -> dict[str, Any]:
     return {"dry_run": True, "device": str(device), "cuda_available": torch.cuda.is_available(),
             "size_bytes": args.size, "rows": only, "repeat": max(1, args.repeat),
             "warmup_rounds": max(0, args.warmup_rounds), "dir": os.path.abspath(args.dir),
-            "engine_options": _opts_from_args(args)}
+            "engine_options": engine_options(args)}
 
 
 def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
@@ -475,7 +415,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     labels = device_labels(device)
     map_location = None if device.type == "cpu" else device.type
     os.makedirs(args.dir, exist_ok=True)
-    opts = _opts_from_args(args)
+    opts = engine_options(args)
     repeat = max(1, args.repeat)
     warmup = max(0, args.warmup_rounds)
 
@@ -506,7 +446,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
             settle()
         return before
 
-    from . import _native
+    from .. import _native
     align = 4096
     dev_buf = None
     if "device" in only or "load_device" in only:
@@ -567,7 +507,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         loaders["load_safetensors"] = (files["safetensors"],
                                        lambda: load_safetensors(files["safetensors"], map_location or "cpu"))
     if "load_fastpersist" in only or "load_fastpersist_verify" in only:
-        from .loader import load as fp_load
+        from ..loader import load as fp_load
         ensure("fastpersist", savers["fastpersist"])
         loaders["load_fastpersist"] = (files["fastpersist"], lambda: fp_load(files["fastpersist"], weights_only=True,
                                                                              map_location=map_location))
@@ -703,14 +643,6 @@ def format_report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def format_targets(targets: list[dict[str, Any]], unit: str = "") -> list[str]:
-    """The PASS/FAIL lines that close a bench report."""
-    if not targets:
-        return []
-    return ["", "Targets"] + [f"  [{'PASS' if t['pass'] else 'FAIL'}] {t['target']}: {t['value']}{unit}"
-                              + (f" ({t['note']})" if t.get("note") else "") for t in targets]
-
-
 def plot(res: dict[str, Any], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -733,45 +665,11 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 
 # ---------------------------------------------------------------------------- CLI
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", default="./bench-out", help="where benchmark files go (default ./bench-out); "
-                        "use the disk you checkpoint to, not tmpfs")
-    parser.add_argument("--size", type=parse_size, default=parse_size(DEFAULT_SIZE),
-                        help=f"checkpoint size, e.g. 512MiB, 4GiB (default {DEFAULT_SIZE})")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds (each runs every row once); medians are reported (default 3)")
-    parser.add_argument("--warmup-rounds", dest="warmup_rounds", type=int, default=1,
-                        help="uncounted rounds first (first writes and reads of a run are outliers; default 1)")
-    parser.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
-    parser.add_argument("--plot", metavar="FILE.png", help="write a bar chart of GB/s")
-    parser.add_argument("--only", metavar="ROWS", help=f"comma list of rows: {','.join(ALL_ROWS)}")
-    parser.add_argument("--async", dest="run_async", action="store_true",
-                        help="run the async training benchmark (step time, blocked time) instead")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="where the checkpoint's tensors live (default cpu); cuda: state dict / model on "
-                             "the GPU, loads with map_location='cuda'")
-    parser.add_argument("--dry-run", dest="dry_run", action="store_true",
-                        help="print what would run (sizes, rows or modes) and exit; needs no device")
-    parser.add_argument("--json-out", dest="json_out", metavar="FILE.json",
-                        help="also write the machine-readable result to this file")
-    g = parser.add_argument_group("engine options (fp_core.save and the device row)")
-    g.add_argument("--backend", choices=("auto", "io_uring", "threadpool", "buffered"))
-    g.add_argument("--queue-depth", dest="queue_depth", type=int)
-    g.add_argument("--chunk-bytes", dest="chunk_bytes", type=parse_size)
-    g.add_argument("--copy-threads", dest="copy_threads", type=int)
-    g.add_argument("--io-threads", dest="io_threads", type=int)
-    try:
-        from .bench_async import add_async_arguments
-        add_async_arguments(parser)
-    except ImportError:
-        pass
-
-
 def run(args: argparse.Namespace) -> int:
+    """``fastpersist bench`` without ``--async`` (the arguments of
+    :func:`fp_core.tools.bench_args.add_arguments`): the table, or the plan with ``--dry-run``."""
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
-    if getattr(args, "run_async", False):
-        from .bench_async import run_async
-        return run_async(args, log)
     if getattr(args, "dry_run", False):
         plan = dry_run(args)
         if args.json:
@@ -795,12 +693,3 @@ def run(args: argparse.Namespace) -> int:
         print(format_report(res))
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fastpersist bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

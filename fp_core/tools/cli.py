@@ -1,4 +1,9 @@
-"""The ``fastpersist`` command: verify, inspect, clean, bench."""
+"""The ``fastpersist`` command: verify, inspect, clean, bench.
+
+``python -m fp_core.tools.cli`` is the same command. ``verify``, ``inspect`` and ``clean``
+import only the runtime; the benchmarks are imported when ``bench`` runs (its options come
+from :mod:`fp_core.tools.bench_args`).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +11,10 @@ import argparse
 import json
 import sys
 
-from .commit import clean
-from .errors import CheckpointError
-from .integrity import inspect, verify
+from ..api import inspect, verify
+from ..commit import clean
+from ..errors import CheckpointError
+from . import bench_args
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -55,6 +61,17 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.run_async:
+        from .bench_async import run_async
+
+        def log(msg: str) -> None:
+            print(msg, file=sys.stderr, flush=True)
+        return run_async(args, log)
+    from .bench import run
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastpersist", description="Fast, durable, verifiable torch checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -73,11 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-r", "--recursive", action="store_true")
     c.set_defaults(func=_cmd_clean)
 
-    from . import bench
-
     b = sub.add_parser("bench", help="benchmark against torch.save, Lightning, safetensors, DCP")
-    bench.add_arguments(b)
-    b.set_defaults(func=bench.run)
+    bench_args.add_arguments(b)
+    b.set_defaults(func=_cmd_bench)
     return p
 
 
