@@ -135,9 +135,14 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
+from fp_core import commit as fp_commit
+from fp_core import distributed as fp_dist
 from fp_core import remote as fp_remote
-from fp_core.commit import fsync_dir, fsync_file
+from fp_core import retention
+from fp_core.commit import fsync_file
 from fp_core.pipeline import AsyncCheckpointer
+
+from ._policy import ErrorPolicy, checkpointer_options
 
 log = logging.getLogger("fastpersist.hf")
 
@@ -145,8 +150,6 @@ __all__ = ["FastPersistCallback", "STAGING_PREFIX", "intercept_safetensors_write
            "remote_checkpoints"]
 
 STAGING_PREFIX = ".fastpersist-staging-"
-_REPLACED_PREFIX = ".fastpersist-replaced-"
-_DELETING_PREFIX = ".fastpersist-deleting-"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
@@ -290,8 +293,7 @@ class FastPersistCallback(TrainerCallback):
                  remote_dir: str | None = None, storage_options: dict | None = None, keep_local: bool = False,
                  verify_on_resume: bool = True, all_ranks_write: bool = False, wait_on_save: bool | str = "auto",
                  **engine_options: Any) -> None:
-        if on_error not in ("raise", "warn"):
-            raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
+        self.errors = ErrorPolicy(on_error)
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         if fence_on_step_begin not in (True, False, "auto"):
@@ -315,13 +317,13 @@ class FastPersistCallback(TrainerCallback):
         self.verify_on_resume = verify_on_resume
         self.all_ranks_write = all_ranks_write
         self._uploaded_local: list[str] = []  # local copies uploaded, to drop when keep_local=False
-        self.engine_options = engine_options
+        engine, rest = checkpointer_options(engine_options, policy)
+        self.engine_options = {**engine, **rest}
         self.trainer: Trainer | None = None
         self.records: list[CheckpointRecord] = []
         self.fallback_reason: str | None = None
         self._ckptr: AsyncCheckpointer | None = None
-        self._group: Any = None
-        self._group_ready = False
+        self._group_ready = False  # fp_core's coordination group exists on every rank
         self._fence_step_begin = False
         self._pending: list[CheckpointRecord] = []
         self._scheduled: set[str] = set()  # checkpoints started and not (yet) known failed
@@ -402,18 +404,6 @@ class FastPersistCallback(TrainerCallback):
         return self._ckptr
 
     # ------------------------------------------------------------------ errors
-    def _handle_error(self, e: BaseException, what: str) -> None:
-        # Marked on the exception itself: an id() could be reused by a later failure.
-        if getattr(e, "_fastpersist_reported", False):
-            return
-        with contextlib.suppress(AttributeError):
-            e._fastpersist_reported = True  # type: ignore[attr-defined]
-        if self.on_error == "raise":
-            raise e
-        msg = f"FastPersist: {what} failed: {type(e).__name__}: {e}"
-        log.warning("%s (training continues; on_error='warn')", msg)  # the text, not the exception: never kept alive
-        warnings.warn(msg, stacklevel=3)
-
     def _reap(self) -> None:
         """Account for committed / failed checkpoints (main thread)."""
         still = []
@@ -435,12 +425,10 @@ class FastPersistCallback(TrainerCallback):
         self._pending = still
 
     def _call(self, fn: Any, what: str) -> float:
+        """``fn()`` under the error policy; the checkpoints it finished are accounted for."""
         t0 = time.perf_counter()
         try:
-            fn()
-        except Exception as e:  # KeyboardInterrupt / SystemExit go on up, whatever on_error says
-            self._reap()
-            self._handle_error(e, what)
+            self.errors.call(fn, what)
         finally:
             self._reap()
         return time.perf_counter() - t0
@@ -482,7 +470,7 @@ class FastPersistCallback(TrainerCallback):
         self._setup_group()
         # Remove staging directories left by a crashed run (nothing of ours is pending).
         if args.should_save and not self._pending and os.path.isdir(args.output_dir):
-            _recover_output_dir(args.output_dir)
+            fp_commit.recover_dirs(args.output_dir, (STAGING_PREFIX,))
         self._barrier()
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -523,14 +511,10 @@ class FastPersistCallback(TrainerCallback):
     def _setup_group(self) -> None:
         if self._group_ready or not self._distributed():
             return
-        # A dedicated gloo group, so the background worker's agreement never interleaves with
-        # the training collectives on the default group. Collective: every rank runs this here.
-        self._group = torch.distributed.new_group(backend="gloo")
+        # fp_core's coordination group (gloo, apart from the training collectives): creating
+        # it is collective, so every rank does it here, on the main thread.
+        fp_dist.coordination_group(None)
         self._group_ready = True
-        if self.all_ranks_write:
-            from fp_core.distributed import coordination_group
-
-            coordination_group(None)  # fp_core's own gloo group, created by every rank here
 
     def _collective(self) -> bool:
         """Every rank writes a share of optimizer.pt (all_ranks_write, shared filesystem)."""
@@ -540,7 +524,7 @@ class FastPersistCallback(TrainerCallback):
 
     def _barrier(self) -> None:
         if self._group_ready:
-            torch.distributed.barrier(group=self._group)
+            fp_dist.barrier()
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """transformers 5.24 ``Trainer._save_checkpoint``, asynchronous and atomic."""
@@ -660,7 +644,7 @@ class FastPersistCallback(TrainerCallback):
             rec.blocked_seconds = time.perf_counter() - t0
             rec.ok, rec.error = False, f"{type(error).__name__}: {error}"
             self._scheduled.discard(final)
-            self._handle_error(error, f"checkpoint {final}")
+            self.errors.handle(error, f"checkpoint {final}")
             return
         if jit:  # JIT (SIGTERM) checkpoint: the process is about to go away, make it durable now
             self.wait()
@@ -708,22 +692,20 @@ class FastPersistCallback(TrainerCallback):
                         shutil.rmtree(rec.staging, ignore_errors=True)
                     raise
         if distributed:
-            flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self._group)
-            ok = bool(flag.item())
+            ok = fp_dist.agree(ok)
         err: BaseException | None = None
         if should_save:
             try:
                 if ok:
-                    self._publish(rec.staging, rec.path, run_dir)
-                    _rotate_checkpoints_atomically(run_dir, save_total_limit, best)
+                    fp_commit.publish_dir(rec.staging, rec.path)
+                    _rotate_local(run_dir, save_total_limit, best)
                 else:
                     shutil.rmtree(rec.staging, ignore_errors=True)
             except BaseException as e:  # noqa: BLE001
                 err, ok = e, False
                 shutil.rmtree(rec.staging, ignore_errors=True)
         if distributed:
-            torch.distributed.barrier(group=self._group)  # committed before any rank moves on
+            fp_dist.barrier()  # committed before any rank moves on
         rec.bytes = nbytes
         rec.ok = ok
         rec.commit_seconds = time.perf_counter() - rec.started
@@ -757,36 +739,13 @@ class FastPersistCallback(TrainerCallback):
         return True
 
     def _rotate_remote(self, newest: str, best: str | None, save_total_limit: int | None) -> None:
-        """``rotate_checkpoints`` for ``remote_dir``: keep ``save_total_limit`` complete remote
-        checkpoints, oldest steps removed first, never ``newest`` or the best one."""
-        if save_total_limit is None or save_total_limit <= 0:
-            return
+        """``save_total_limit`` for ``remote_dir``, among the complete remote checkpoints
+        (the same rule as the local rotation)."""
         ckpts = remote_checkpoints(self.remote_dir, storage_options=self.storage_options)
-        if len(ckpts) <= save_total_limit:
-            return
+        by_name = {u.rstrip("/").rsplit("/", 1)[-1]: u for u in ckpts}
         protected = {newest} | ({os.path.basename(os.path.normpath(best))} if best else set())
-        num_to_keep = max(save_total_limit, len(protected))
-        remaining = len(ckpts)
-        for url in ckpts:
-            if remaining <= num_to_keep:
-                break
-            if url.rstrip("/").rsplit("/", 1)[-1] not in protected:
-                fp_remote.remove(url, recursive=True, storage_options=self.storage_options)
-                remaining -= 1
-
-    @staticmethod
-    def _publish(staging: str, final: str, run_dir: str) -> None:
-        fsync_dir(staging)
-        replaced = None
-        if os.path.lexists(final):  # saving a step again (rerun, JIT sentinel dir): replace it
-            replaced = os.path.join(run_dir, _REPLACED_PREFIX + os.path.basename(final))
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(final, replaced)
-        os.rename(staging, final)
-        fsync_dir(run_dir)
-        if replaced is not None:
-            shutil.rmtree(replaced, ignore_errors=True)
-
+        for name in retention.to_delete(list(by_name), save_total_limit, protected):
+            fp_remote.remove(by_name[name], recursive=True, storage_options=self.storage_options)
 
 
 def verify_checkpoint_dir(path: str) -> int:
@@ -847,48 +806,15 @@ def _check_safetensors(f: str) -> None:
         raise CorruptCheckpointError(f, "<safetensors header>", f"{type(e).__name__}: {e}") from None
 
 
-def _recover_output_dir(output_dir: str) -> None:
-    """Undo what a crashed run left half-done, so no partial ``checkpoint-N`` is ever seen.
-
-    Staging directories are discarded; a checkpoint moved aside to be replaced is put back
-    if its replacement never arrived; directories renamed for deletion are deleted.
-    """
-    for name in os.listdir(output_dir):
-        path = os.path.join(output_dir, name)
-        if name.startswith(_REPLACED_PREFIX):
-            final = os.path.join(output_dir, name[len(_REPLACED_PREFIX):])
-            if not os.path.lexists(final):
-                os.rename(path, final)  # the crash fell between the two renames of _publish
-                continue
-        if name.startswith((STAGING_PREFIX, _REPLACED_PREFIX, _DELETING_PREFIX)):
-            shutil.rmtree(path, ignore_errors=True)
-    fsync_dir(output_dir)
-
-
-def _rotate_checkpoints_atomically(run_dir: str, save_total_limit: int | None, best: str | None) -> None:
-    """transformers' ``rotate_checkpoints`` (same choice of victims), but each victim is first
-    renamed out of the ``checkpoint-*`` namespace, so a kill during the slow recursive delete
-    never leaves a half-deleted ``checkpoint-N`` that looks like a checkpoint."""
+def _rotate_local(run_dir: str, save_total_limit: int | None, best: str | None) -> None:
+    """transformers' ``rotate_checkpoints`` (the same victims: ``fp_core.retention``), each
+    victim renamed out of ``checkpoint-*`` before it is deleted (``fp_core.commit.retire_dirs``),
+    so a kill during the slow recursive delete never leaves a half-deleted checkpoint-N."""
     if save_total_limit is None or save_total_limit <= 0:
         return
     checkpoints = sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR, use_mtime=True)
-    if len(checkpoints) <= save_total_limit:
-        return
-    protected = {checkpoints[-1]} | ({str(Path(best))} if best is not None else set())
-    keep, remaining = max(save_total_limit, len(protected)), len(checkpoints)
-    doomed = []
-    for ckpt in checkpoints:
-        if remaining <= keep:
-            break
-        if ckpt not in protected:
-            gone = os.path.join(os.path.dirname(ckpt), _DELETING_PREFIX + os.path.basename(ckpt))
-            os.rename(ckpt, gone)
-            doomed.append(gone)
-            remaining -= 1
-    if doomed:
-        fsync_dir(run_dir)
-    for gone in doomed:
-        shutil.rmtree(gone, ignore_errors=True)
+    protected = {checkpoints[-1]} | ({str(Path(best))} if best is not None else set()) if checkpoints else set()
+    fp_commit.retire_dirs(retention.to_delete(checkpoints, save_total_limit, protected))
 
 
 # ---------------------------------------------------------------------------------------

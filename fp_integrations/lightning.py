@@ -119,41 +119,27 @@ import time
 import warnings
 import weakref
 from collections import deque
-from dataclasses import fields
 from typing import Any
 
 import fp_core
 from fp_core import AsyncCheckpointError, CheckpointError, optim_hooks
 from fp_core import commit as fp_commit
+from fp_core import paths as fp_paths
 from fp_core import remote as fp_remote
 from fp_core.pipeline import fence_before_update
+
+from ._policy import ErrorPolicy, FastPersistWarning, checkpointer_options, metrics
 
 log = logging.getLogger("fastpersist")
 
 _HPC_NAME = re.compile(r"^hpc_ckpt_\d+\.ckpt$")  # SLURM auto-requeue: the process is killed right after
 _SPAWN_TEMP_NAME = ".temp.ckpt"  # ddp_spawn hands the final weights back through this file, then exits
-_ENGINE_OPTION_NAMES = frozenset(f.name for f in fields(fp_core.EngineOptions))
 _STORAGE_OPTION_KEYS = frozenset({"blocking"})
 _RUNTIME_ATTRS = ("_lock", "_ckpt", "_pending", "_committed", "_unlogged", "_hook", "_hook_finalizer",
                   "_torn_down", "save_call_seconds", "fence_seconds", "fence_count",
                   "fence_overlaps", "_collective", "_collective_next")
 # What ranks other than 0 pass as the path of a collective save: only rank 0 names the file.
 _PEER_PATH = "fastpersist-peer-rank.ckpt"
-
-
-class FastPersistWarning(UserWarning):
-    """A background checkpoint failed and ``on_error="warn"`` let training continue."""
-
-
-def _target(path: Any) -> tuple[bool, str]:
-    """``(True, url)`` for a remote fsspec URL, ``(False, absolute local path)`` otherwise
-    (``file://`` URLs are local). The second item is the key pending saves are kept under."""
-    is_remote, p = fp_remote.split(path)
-    return (True, p) if is_remote else (False, os.path.abspath(p))
-
-
-def _local_path(path: Any) -> str:
-    return _target(path)[1]
 
 
 def _remove_path(path: str) -> None:
@@ -192,7 +178,7 @@ class _FastPersistIOImpl:
             verify: ``load_checkpoint`` (resume, ``load_from_checkpoint``) checks every byte of a
                 FastPersist checkpoint against its checksums and refuses a damaged one with
                 ``CorruptCheckpointError`` naming the tensor (default; files written by other
-                tools load unchecked). ``False`` skips the check (about 10% faster loads).
+                tools load unchecked). ``False`` skips the check (a faster load).
             on_error: "raise" (default): a failed background save fails ``fit()``; "warn": a
                 ``FastPersistWarning`` is issued and training continues.
             visible_pending: make a pending checkpoint's name exist at once (see module doc).
@@ -210,10 +196,9 @@ class _FastPersistIOImpl:
                 ``collapse_live_tensors``).
         """
         super().__init__()
-        if on_error not in ("raise", "warn"):
-            raise ValueError(f"on_error must be 'raise' or 'warn', not {on_error!r}")
-        if policy not in ("auto", "overlap", "snapshot"):
-            raise ValueError(f"policy must be 'auto', 'overlap' or 'snapshot', not {policy!r}")
+        self.errors = ErrorPolicy(on_error)
+        # engine options and the other AsyncCheckpointer options, checked now (not at the first save)
+        self.engine_options, self.checkpointer_options = checkpointer_options(options, policy)
         self.async_save = async_save
         self.policy = policy
         self.max_in_flight = max_in_flight
@@ -226,9 +211,6 @@ class _FastPersistIOImpl:
             raise TypeError(f"storage_options must be a dict of fsspec options, not {type(storage_options).__name__}")
         self.storage_options = None if storage_options is None else dict(storage_options)
         self.keep_local = bool(keep_local)
-        self.options = dict(options)
-        self.engine_options = {k: v for k, v in options.items() if k in _ENGINE_OPTION_NAMES}
-        fp_core.EngineOptions(**self.engine_options)  # validate now, not at the first save
         self._init_runtime()
 
     # ------------------------------------------------------------------ pickling (ddp_spawn)
@@ -270,7 +252,7 @@ class _FastPersistIOImpl:
         """
         blocking = self._parse_storage_options(storage_options)
         t0 = time.perf_counter()
-        is_remote, path = _target(path)
+        is_remote, path = fp_paths.is_remote(path), fp_paths.key(path)
         if not is_remote:  # object stores have no directories; never an empty marker object
             os.makedirs(os.path.dirname(path), exist_ok=True)
         name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -284,8 +266,7 @@ class _FastPersistIOImpl:
             if blocking and entry is not None:
                 entry.handle.result()
         except Exception as e:
-            if not self._failed(e, f"saving checkpoint {path}"):
-                raise
+            self.errors.handle(e, f"saving checkpoint {path}")
         finally:
             dt = time.perf_counter() - t0
             self.save_call_seconds.append(dt)
@@ -298,7 +279,7 @@ class _FastPersistIOImpl:
 
         A remote URL is downloaded into local staging (or found in the ``keep_local``
         cache) and loaded with the native loader."""
-        is_remote, p = _target(path)
+        is_remote, p = fp_paths.is_remote(path), fp_paths.key(path)
         self._wait_for(p)
         if map_location is None:
             map_location = "cpu"  # TorchCheckpointIO's default keeps storages on the CPU
@@ -323,7 +304,7 @@ class _FastPersistIOImpl:
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` after every pending save (never under a write); silent if missing."""
-        is_remote, p = _target(path)
+        is_remote, p = fp_paths.is_remote(path), fp_paths.key(path)
         if is_remote:
             remove = functools.partial(fp_remote.remove, p, recursive=True, storage_options=self.storage_options)
             remove.__name__ = f"remove {p}"  # type: ignore[attr-defined]  # names the job in errors
@@ -338,8 +319,7 @@ class _FastPersistIOImpl:
                     return
             remove()
         except Exception as e:
-            if not self._failed(e, f"removing checkpoint {path}"):
-                raise
+            self.errors.handle(e, f"removing checkpoint {path}")
 
     def teardown(self) -> None:
         """Drain pending writes (end of fit/validate/test/predict). Raises a pending failure,
@@ -359,8 +339,7 @@ class _FastPersistIOImpl:
                 warnings.warn(f"a pending checkpoint failed while another error propagated: {e}",
                               FastPersistWarning, stacklevel=2)
             else:
-                if not self._failed(e, "draining pending checkpoints at teardown"):
-                    raise
+                self.errors.handle(e, "draining pending checkpoints at teardown")
         finally:
             with self._lock:
                 self._sweep(final=True)
@@ -402,8 +381,7 @@ class _FastPersistIOImpl:
         try:
             ckpt.wait()
         except Exception as e:
-            if not self._failed(e, "waiting for pending checkpoints"):
-                raise
+            self.errors.handle(e, "waiting for pending checkpoints")
         finally:
             with self._lock:
                 self._sweep()
@@ -413,7 +391,7 @@ class _FastPersistIOImpl:
         ckpt = self._ckpt
         if ckpt is None:
             return False
-        return ckpt.pending(None if path is None else _local_path(path))
+        return ckpt.pending(None if path is None else fp_paths.key(path))
 
     @property
     def stats(self) -> list[Any]:
@@ -443,8 +421,7 @@ class _FastPersistIOImpl:
         try:
             ckpt.fence()
         except Exception as e:
-            if not self._failed(e, "background checkpoint"):
-                raise
+            self.errors.handle(e, "background checkpoint")
         finally:
             self.fence_seconds += time.perf_counter() - t0
 
@@ -460,7 +437,7 @@ class _FastPersistIOImpl:
 
     def _checkpointer(self) -> Any:
         if self._ckpt is None:
-            rest = {k: v for k, v in self.options.items() if k not in _ENGINE_OPTION_NAMES}
+            rest = dict(self.checkpointer_options)
             if self._collective:
                 import torch.distributed as dist
 
@@ -498,8 +475,7 @@ class _FastPersistIOImpl:
         try:
             self._checkpointer().save(checkpoint, _PEER_PATH)
         except Exception as e:
-            if not self._failed(e, "writing this rank's share of a checkpoint"):
-                raise
+            self.errors.handle(e, "writing this rank's share of a checkpoint")
 
     def _start_save(self, checkpoint: Any, path: str, blocking: bool, is_remote: bool = False) -> _Pending | None:
         """Start one save: collective when the other ranks joined it (see enable_collective)."""
@@ -526,9 +502,7 @@ class _FastPersistIOImpl:
             try:
                 handle = ckpt.save(checkpoint, path, on_commit=self._on_commit, **remote_kw)
             except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
-                if self.on_error != "warn":
-                    raise
-                self._warn(e, "background checkpoint")
+                self.errors.handle(e, "background checkpoint")  # raises unless on_error="warn"
                 handle = ckpt.save(checkpoint, path, on_commit=self._on_commit, **remote_kw)
         except BaseException:
             if placeholder is not None:
@@ -574,25 +548,9 @@ class _FastPersistIOImpl:
                 if ckpt.pending(t):
                     ckpt.wait_for(t)
         except Exception as e:
-            if not self._failed(e, f"waiting for checkpoint {path}"):
-                raise
+            self.errors.handle(e, f"waiting for checkpoint {path}")
         with self._lock:
             self._sweep()
-
-    def _failed(self, e: Exception, what: str) -> bool:
-        """True when ``e`` was turned into a warning (``on_error="warn"``); else the caller re-raises."""
-        if self.on_error != "warn":
-            return False
-        if isinstance(e, (TypeError, ValueError)) and not isinstance(e, CheckpointError):
-            return False  # a programming error (bad argument), not a failed write
-        self._warn(e, what)
-        return True
-
-    def _warn(self, e: BaseException, what: str) -> None:
-        cause = e.__cause__ if isinstance(e, AsyncCheckpointError) and e.__cause__ is not None else e
-        msg = f"fastpersist: {what} failed, training continues (on_error='warn'): {type(cause).__name__}: {cause}"
-        log.warning(msg)
-        warnings.warn(msg, FastPersistWarning, stacklevel=3)
 
     # -- the fence before the optimizer step
     def _install_hook(self) -> None:
@@ -686,15 +644,9 @@ class _FastPersistCallbackImpl:
         if plugin is None:
             return
         for st in plugin.pop_unlogged_stats():
-            metrics = {
-                f"{self.prefix}gbps": st.gbps,
-                f"{self.prefix}write_ms": st.write_seconds * 1e3,
-                f"{self.prefix}save_ms": st.seconds * 1e3,
-                f"{self.prefix}blocked_ms": st.blocked_seconds * 1e3,
-                f"{self.prefix}mib": st.bytes / 2**20,
-            }
+            row = metrics(st, self.prefix)
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=trainer.global_step)
+                logger.log_metrics(row, step=trainer.global_step)
 
 
 class _FastPersistModelCheckpointImpl:

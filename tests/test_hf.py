@@ -604,10 +604,10 @@ def test_each_failure_is_reported_even_when_an_id_is_reused(tmp_path):
         for i in range(20):  # each freed before the next is made: CPython hands out the same id again
             e = RuntimeError(f"failure {i}")
             ids.add(id(e))
-            cb._handle_error(e, "save")
-            cb._handle_error(e, "save again")  # one failure is reported once
+            cb.errors.handle(e, "save")
+            cb.errors.handle(e, "save again")  # one failure is reported once
             del e
-    assert [str(x.message) for x in w] == [f"FastPersist: save failed: RuntimeError: failure {i}" for i in range(20)]
+    assert [str(x.message) for x in w] == [f"FastPersist: save failed, training continues (on_error='warn'): RuntimeError: failure {i}" for i in range(20)]
     assert len(ids) < 20, "no id was reused: the test did not test anything"
 
 

@@ -633,7 +633,7 @@ def test_checkpointer_options_pass_through(tmp_path):
     ckpt.wait_huge_pages()
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["w"], w)
     io.teardown()
-    from fp_core.procinfo import thp_mode
+    from fp_core.tools.procinfo import thp_mode
     if thp_mode() not in ("always", "madvise") or ckpt.huge_page_bytes == 0:
         pytest.skip("no transparent huge pages here, or the kernel declined MADV_COLLAPSE")
     assert ckpt.huge_page_bytes >= 12 * 1024 * 1024
