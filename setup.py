@@ -8,7 +8,7 @@ setup(
     ext_modules=[
         Extension(
             "fp_core._native",
-            # every native/*.c (tests/test_native_engine_c.py checks that none is missing)
+            # every native/*.c (tests/native/test_native_engine_c.py checks that none is missing)
             sources=[
                 "native/binding.c",
                 "native/crc32c.c",

@@ -1,8 +1,10 @@
-"""Shared fixtures and helpers for the fp_core test suites (test_core, test_pipeline, test_faults)."""
+"""Shared fixtures and helpers for the test suites under tests/ (native/, core/, integrations/,
+reliability/, tools/; pyproject puts tests/ on sys.path, so any of them can ``from conftest import ...``)."""
 
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import shutil
 import subprocess
@@ -174,6 +176,28 @@ def fresh_fallback_log():
     yield
     engine._reported.clear()
     engine._reported.update(saved)
+
+
+# ---------------------------------------------------------------- optimizer hooks (async pipeline)
+
+
+def _settled_hooks() -> int:
+    """torch's global pre-hook count once hooks freed or switched off earlier are out
+    (their removal waits for a safe point: fp_core.optim_hooks)."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    import fp_core
+
+    gc.collect()
+    fp_core.optim_hooks.flush()
+    return len(_global_optimizer_pre_hooks)
+
+
+@pytest.fixture
+def baseline_hooks():
+    n = _settled_hooks()
+    yield n
+    assert _settled_hooks() == n, "an optimizer hook was left installed"
 
 
 # ---------------------------------------------------------------- comparisons

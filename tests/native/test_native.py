@@ -15,7 +15,7 @@ except ImportError:  # the Python side of the package may be mid-change: load th
     import importlib.machinery
     import importlib.util
 
-    _here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo
     _so = glob.glob(os.path.join(_here, "fp_core", "_native*.so"))
     if not _so:
         raise

@@ -40,7 +40,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 from fp_core.pipeline import AsyncCheckpointer  # noqa: E402
 from fp_integrations.hf import STAGING_PREFIX, FastPersistCallback, intercept_safetensors_writes  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/integrations/ -> repo
 CKPT_FILES = {"config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
               "trainer_state.json", "training_args.bin"}
 

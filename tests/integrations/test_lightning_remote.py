@@ -16,6 +16,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 import lightning.pytorch as lp  # noqa: E402
+from conftest import HELPERS  # noqa: E402
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 
@@ -23,7 +24,7 @@ import fp_core  # noqa: E402
 from fp_core import remote  # noqa: E402
 from fp_integrations.lightning import FastPersistIO, FastPersistModelCheckpoint, FastPersistWarning  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+sys.path.insert(0, HELPERS)
 from s3_server import S3Server  # noqa: E402
 from test_lightning import Model, assert_same, trainer  # noqa: E402
 

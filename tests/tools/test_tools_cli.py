@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 
 import fp_core
 from fp_core.sizes import parse_size
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEAVY = ("fp_core.tools.bench", "fp_core.tools.bench_async", "fp_core.tools.common", "matplotlib",
          "torch.distributed.checkpoint", "lightning", "safetensors")
 

@@ -10,10 +10,9 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 
 from fp_core.tools.bench import paired_ratio
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bench(args: list[str], cwd: str) -> dict:

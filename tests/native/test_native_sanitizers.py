@@ -5,7 +5,7 @@ compiled into a temporary directory with ``-fsanitize=address,undefined`` and dr
 a child Python with libasan preloaded, by tests/helpers/native_sanitizer_driver.py
 (every entry point, each backend, fault injection, the refusals of untrusted offsets,
 EFAULT).  Any report of either sanitizer aborts the child; the test wants a clean exit.
-tests/test_native_engine_c.py does the same for the engine alone, without Python.
+tests/native/test_native_engine_c.py does the same for the engine alone, without Python.
 
 The build uses setup.py's own compile arguments (read from it, so the two cannot drift)
 but not Python's CFLAGS: those carry -fwrapv, under which signed overflow is defined and
@@ -22,9 +22,9 @@ import sys
 import sysconfig
 
 import pytest
+from conftest import HELPERS, REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DRIVER = os.path.join(REPO, "tests", "helpers", "native_sanitizer_driver.py")
+DRIVER = os.path.join(HELPERS, "native_sanitizer_driver.py")
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g",
             "-O1"]
 

@@ -11,12 +11,12 @@ import uuid
 
 import pytest
 import torch
+from conftest import HELPERS, assert_identical
 
 import fp_core
 from fp_core import commit, remote
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
-from conftest import assert_identical  # noqa: E402
+sys.path.insert(0, HELPERS)
 
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")

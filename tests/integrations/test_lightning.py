@@ -23,7 +23,7 @@ from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 import fp_core  # noqa: E402
 from fp_integrations.lightning import FastPersistCallback, FastPersistIO, FastPersistWarning  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/integrations/ -> repo
 
 # the model: Linear -> BatchNorm -> Linear (+ a >1 MiB layer so saves read live memory), Adam
 
@@ -582,7 +582,7 @@ def test_ddp_spawn_every_rank_writes_a_share(tmp_path):
 
 DDP_SCRIPT = textwrap.dedent("""
     import os, sys, torch
-    sys.path[:0] = [{repo!r}, {tests!r}]
+    sys.path[:0] = [{repo!r}, os.path.join({tests!r}, "integrations")]
     import lightning.pytorch as lp
     from lightning.pytorch.callbacks import ModelCheckpoint
     from fp_integrations.lightning import FastPersistIO, FastPersistCallback

@@ -1,6 +1,6 @@
-"""The CUDA paths' logic, checked on the CPU (no device needed; tests/test_cuda.py runs them on one).
+"""The CUDA paths' logic, checked on the CPU (no device needed; tests/core/test_cuda.py runs them on one).
 
-* the dtype and view matrix that tests/test_cuda.py round-trips on the GPU, here on the CPU
+* the dtype and view matrix that tests/core/test_cuda.py round-trips on the GPU, here on the CPU
   (so the list itself is known to be valid before a device is lent);
 * stream ordering in ``writer.copy_to_host``: with torch.cuda replaced by fakes that log,
   a device copy is issued on a side stream, non-blocking, into pinned memory, after the

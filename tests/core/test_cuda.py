@@ -1,7 +1,7 @@
 """CUDA sources: staged through pinned host memory on a side stream. Skipped without a GPU.
 
 Selected by ``pytest -m cuda`` (benchmarks/gpu_check.sh runs them on a lent GPU). What can
-be checked without a device is checked on the CPU in tests/test_cuda_logic.py.
+be checked without a device is checked on the CPU in tests/core/test_cuda_logic.py.
 
 * byte-exact round trips of device tensors of every dtype, views and non-contiguous ones
   included, through fp_core.save and both async policies; loads with ``map_location``;

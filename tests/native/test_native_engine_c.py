@@ -17,8 +17,8 @@ import shutil
 import subprocess
 
 import pytest
+from conftest import REPO
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NATIVE = os.path.join(REPO, "native")
 TEST_PROGRAM = os.path.join(NATIVE, "tests", "test_engine.c")
 BINDING = "native/binding.c"

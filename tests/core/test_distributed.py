@@ -12,20 +12,20 @@ import uuid
 
 import pytest
 import torch
+from conftest import HELPERS, REPO
 
 import fp_core
 from fp_core.partition import select_writers, split_range
 
-HERE = os.path.dirname(__file__)
-WORKER = os.path.join(HERE, "helpers", "dist_worker.py")
-sys.path.insert(0, os.path.join(HERE, "helpers"))
+WORKER = os.path.join(HELPERS, "dist_worker.py")
+sys.path.insert(0, HELPERS)
 from dist_worker import state  # noqa: E402
 
 
 @pytest.fixture
 def ddir():
     """A directory on the real disk (O_DIRECT works there; /tmp may be tmpfs)."""
-    base = os.path.join(os.path.dirname(HERE), ".test-tmp")
+    base = os.path.join(REPO, ".test-tmp")
     d = os.path.join(base, f"dist-{uuid.uuid4().hex[:8]}")
     os.makedirs(d)
     yield d

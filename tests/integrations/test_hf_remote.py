@@ -17,12 +17,13 @@ pytest.importorskip("accelerate")
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from conftest import HELPERS  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from fp_core import AsyncCheckpointError, remote  # noqa: E402
 from fp_integrations.hf import download_checkpoint, remote_checkpoints  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
+sys.path.insert(0, HELPERS)
 from s3_server import S3Server  # noqa: E402
 from test_hf import CKPT_FILES, StopAt, checkpoints, make_trainer, no_staging, optim_equal, state_equal  # noqa: E402
 

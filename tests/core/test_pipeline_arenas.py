@@ -1,0 +1,123 @@
+"""AsyncCheckpointer's snapshot arenas: filled by the writer first, then reused inside save(); how
+the auto policy waits for a warm arena, and keeps overlap when none can be had."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+from conftest import MiB, assert_identical
+
+import fp_core
+from fp_core import AsyncCheckpointer
+
+
+def test_a_new_snapshot_arena_is_filled_by_the_writer_then_reused_inside_save(disk_dir):
+    """The first snapshot faults its arena's pages in on the background writer, not
+    inside save(); later saves reuse the arena and copy inside save()."""
+    state = {"a": torch.randn(8 * MiB // 4), "b": torch.randn(4 * MiB // 4), "small": torch.arange(10)}
+    big_bytes = 12 * MiB
+    with AsyncCheckpointer(policy="snapshot") as ckpt:
+        first = ckpt.save(state, os.path.join(disk_dir, "1.pt")).result()
+        arena = ckpt._arenas[0]
+        second = ckpt.save(state, os.path.join(disk_dir, "2.pt")).result()
+        assert ckpt._arenas[0] is arena  # reused, not reallocated
+    assert first.extra["at_save_bytes"] < big_bytes <= second.extra["at_save_bytes"]
+    assert first.extra["snapshot_seconds"] > 0
+    for name in ("1.pt", "2.pt"):
+        fp_core.verify(os.path.join(disk_dir, name))
+        assert_identical(state, fp_core.load(os.path.join(disk_dir, name), verify=True))
+
+
+def _writer_idle(ckpt: AsyncCheckpointer) -> None:
+    """Return once the writer has run every job queued so far (it runs them in order)."""
+    ckpt.enqueue(lambda: None, after=[]).result()
+
+
+def test_auto_writes_with_overlap_until_a_snapshot_arena_is_warm(disk_dir):
+    """auto's first save does not wait for a fresh arena's pages: it writes with overlap
+    and the writer warms an arena after it; the next save snapshots into warm pages."""
+    from fp_core.tools.procinfo import resident_bytes
+    state = {"a": torch.randn(8 * MiB // 4), "b": torch.randn(4 * MiB // 4), "small": torch.arange(10)}
+    with AsyncCheckpointer() as ckpt:
+        first = ckpt.save(state, os.path.join(disk_dir, "1.pt")).result()
+        assert first.policy == "overlap" and first.extra["policy_reason"] == "snapshot arena not yet warm"
+        assert not ckpt.pending()  # the warm-up (queued, running or done) is no pending write
+        _writer_idle(ckpt)
+        (arena,) = ckpt._arenas
+        assert resident_bytes(arena.buf.data_ptr(), arena.buf.numel()) >= 0.95 * arena.buf.numel()  # pages in (prorated)
+        second = ckpt.save(state, os.path.join(disk_dir, "2.pt")).result()
+        third = ckpt.save(state, os.path.join(disk_dir, "3.pt")).result()
+        bigger = dict(state, c=torch.randn(16 * MiB // 4))  # outgrows the arena: overlap again
+        fourth = ckpt.save(bigger, os.path.join(disk_dir, "4.pt")).result()
+        _writer_idle(ckpt)
+        fifth = ckpt.save(bigger, os.path.join(disk_dir, "5.pt")).result()
+    for st in (second, third, fifth):
+        assert st.policy == "snapshot" and "policy_reason" not in st.extra
+        assert st.extra["at_save_bytes"] >= 12 * MiB  # the copy ran inside save(), into warm pages
+    assert fourth.policy == "overlap"
+    for name, obj in (("1.pt", state), ("2.pt", state), ("3.pt", state), ("4.pt", bigger), ("5.pt", bigger)):
+        assert_identical(obj, fp_core.load(os.path.join(disk_dir, name), verify=True))
+
+
+def test_wait_skips_an_arena_warm_up_not_yet_begun(disk_dir):
+    """A warm-up still queued when wait() drains is dropped (durability does not need
+    it); the next save asks for it again."""
+    state = {"a": torch.randn(8 * MiB // 4)}
+    with AsyncCheckpointer() as ckpt:
+        gate = threading.Event()
+        ckpt.enqueue(gate.wait, after=[])  # holds the writer: the save and its warm-up queue behind
+        first = ckpt.save(state, os.path.join(disk_dir, "1.pt"))
+        waiter = threading.Thread(target=ckpt.wait)
+        waiter.start()
+        while not ckpt._draining:
+            time.sleep(0.001)
+        gate.set()
+        waiter.join(30)
+        assert not waiter.is_alive() and first.result().policy == "overlap"
+        second = ckpt.save(state, os.path.join(disk_dir, "2.pt")).result()
+        assert second.policy == "overlap"  # no warm arena: the warm-up was skipped
+        _writer_idle(ckpt)
+        assert ckpt.save(state, os.path.join(disk_dir, "3.pt")).result().policy == "snapshot"
+
+
+def test_auto_snapshots_a_save_queued_behind_another(disk_dir):
+    """With a save in flight (when_busy="queue"), auto keeps the snapshot for the next
+    one: under overlap its fence would wait until the write queued before it is done."""
+    state = {"a": torch.randn(8 * MiB // 4)}
+    with AsyncCheckpointer(when_busy="queue") as ckpt:
+        gate = threading.Event()
+        ckpt.enqueue(gate.wait, after=[])
+        first = ckpt.save(state, os.path.join(disk_dir, "1.pt"))
+        second = ckpt.save(state, os.path.join(disk_dir, "2.pt"))
+        gate.set()
+        assert first.result().policy == "overlap" and second.result().policy == "snapshot"
+    for name in ("1.pt", "2.pt"):
+        assert_identical(state, fp_core.load(os.path.join(disk_dir, name), verify=True))
+
+
+def test_auto_stays_on_overlap_when_no_arena_can_be_had(disk_dir, monkeypatch, caplog):
+    """No memory for an arena: one warning, the saves go on with overlap, no retries."""
+    import fp_core.pipeline as pipeline
+
+    tries = []
+
+    class NoMemory:
+        def __init__(self, nbytes, pin, huge=False):
+            tries.append(nbytes)
+            raise MemoryError(f"cannot allocate {nbytes} bytes")
+
+    monkeypatch.setattr(pipeline, "Arena", NoMemory)
+    state = {"a": torch.randn(8 * MiB // 4)}
+    with caplog.at_level("WARNING", logger="fastpersist"), AsyncCheckpointer() as ckpt:
+        for i in range(3):
+            assert ckpt.save(state, os.path.join(disk_dir, f"{i}.pt")).result().policy == "overlap"
+            _writer_idle(ckpt)
+    assert len(tries) == 1
+    assert [r.getMessage() for r in caplog.records if "snapshot arena" in r.getMessage()] == [
+        f"fastpersist: could not prepare a {tries[0]}-byte snapshot arena (MemoryError: cannot allocate "
+        f"{tries[0]} bytes); auto keeps the overlap policy"]
+    for i in range(3):
+        assert_identical(state, fp_core.load(os.path.join(disk_dir, f"{i}.pt"), verify=True))
