@@ -13,7 +13,7 @@
  * injection; EFAULT from memory unmapped under a zero-copy write or a read.  A backend
  * this machine cannot run (no O_DIRECT on WORK_DIR's file system, io_uring disabled) is
  * skipped and named.  Prints a summary; exits 0 when every check passed, else 1.
- * tests/test_native_engine_c.py builds and runs it twice: plain, and under ASan + UBSan.
+ * tests/native/test_native_engine_c.py builds and runs it twice: plain, and under ASan + UBSan.
  */
 #define _GNU_SOURCE
 #include "../fp_engine.h"
@@ -771,8 +771,11 @@ static void test_faults(void)
 
 /* ---------------------------------------------------------------- memory gone */
 
-/* n bytes at an address that was mapped and is not any more (guard pages around it);
- * what to munmap afterwards in map and map_len. */
+/* n bytes at an address the process may not touch any more, as memory freed under a
+ * write is; what to munmap afterwards in map and map_len.  The bytes are made
+ * inaccessible (PROT_NONE) rather than unmapped: an unmapped hole can be handed out
+ * again by the next mmap (a staging buffer, an ASan arena) before the write reads it,
+ * and the kernel's answer is EFAULT either way. */
 static uint64_t unmapped_hole(size_t n, char **map, size_t *map_len)
 {
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
@@ -783,8 +786,8 @@ static uint64_t unmapped_hole(size_t n, char **map, size_t *map_len)
         exit(2);
     }
     memset(*map + page, 0x5a, n);
-    if (munmap(*map + page, n) < 0) {
-        perror("munmap");
+    if (mprotect(*map + page, n, PROT_NONE) < 0) {
+        perror("mprotect");
         exit(2);
     }
     return (uint64_t)(uintptr_t)(*map + page);
