@@ -112,18 +112,29 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
 
 def verify(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
     """Check every byte of a checkpoint against its manifest (a remote one on a staged
-    copy); see :func:`fp_core.integrity.verify`."""
+    copy; a sharded checkpoint directory rank file by rank file, naming the file and the
+    FQN of a damaged item); see :func:`fp_core.integrity.verify`."""
     is_remote, p = paths.split(path)
     if is_remote:
         from . import remote
 
         return remote.verify(p, storage_options=storage_options)
+    if os.path.isdir(p):  # a sharded (torch.distributed.checkpoint) checkpoint directory
+        from . import dcp
+
+        return dcp.verify_dir(p)
     return integrity.verify(p)
 
 
 def inspect(path: str | os.PathLike) -> list[dict]:
-    """The records of a local checkpoint: name, tensor, dtype, size, offset, checksum."""
-    return integrity.inspect(paths.split(path)[1])
+    """The records of a local checkpoint (every rank file's items for a sharded checkpoint
+    directory): name, tensor, dtype, size, offset, checksum."""
+    p = paths.split(path)[1]
+    if os.path.isdir(p):
+        from . import dcp
+
+        return dcp.inspect_dir(p)
+    return integrity.inspect(p)
 
 
 __all__ = ["prepare", "save", "load", "verify", "inspect"]

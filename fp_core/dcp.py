@@ -1,0 +1,465 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), on the native engine.
+
+``dcp.save(state, storage_writer=FastPersistWriter(d))`` (and ``dcp.async_save``) and
+``dcp.load(state, storage_reader=FastPersistReader(d))``: DCP's planner decides which rank
+writes which shard (FSDP2 / DTensor / tensor parallel state included); FastPersist replaces
+only the storage.
+
+The directory is the one DCP's own ``FileSystemWriter`` makes, so stock
+``dcp.load(state, checkpoint_id=d)`` reads it: each rank writes ``__<rank>_0.distcp``, every
+tensor item a ``torch.save`` blob at the offset ``.metadata`` records, every byte item as
+is. What FastPersist adds:
+
+* **Native writes.** A rank's file is one plan for the engine: each blob's storage is
+  placed so that its bytes are 4 KiB-aligned in the file, congruent to their address for
+  CPU tensors (written straight from the tensor, no staging copy), and the whole file goes
+  out through O_DIRECT with many writes in flight.
+* **A checksum per item.** Next to its file each rank writes
+  ``__<rank>_0.distcp.fastpersist.json``: every item's FQN, offset, length and CRC-32C
+  (computed while the bytes were staged). ``fp_core.verify(d)`` checks every rank's file
+  and names the file and the FQN of a damaged item; stock DCP ignores the extra files.
+* **Atomic and durable.** Everything is written into a staging directory next to the final
+  one (``.<name>.fastpersist-staging``, a name nobody lists); every rank's file and
+  manifest are fdatasync'ed before DCP's ``finish`` runs, where the coordinator writes
+  ``.metadata``, syncs, and renames the staging directory over the final name
+  (``commit.publish_dir``). A save that fails or is killed leaves the previous checkpoint
+  as it was and nothing half-written under the final name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import shutil
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import _native, commit, ziptail
+from .engine import EngineOptions
+from .errors import CorruptCheckpointError
+from .integrity import CheckpointFile
+from .local import rename_os_error
+from .plan import FilePlan, StorageExtent, align_up, byte_view
+from .skeleton import SparseFile, capture
+from .writer import RangeStats, write_range
+
+METADATA = ".metadata"
+DATA_SUFFIX = ".distcp"
+MANIFEST_SUFFIX = ".fastpersist.json"
+STAGING_SUFFIX = ".fastpersist-staging"
+FORMAT = "fastpersist-dcp/1"
+_ALIGN = 4096  # where each blob's storage bytes start in the file (O_DIRECT blocks)
+_BLOB_ALIGNMENT = 64  # torch.save's own record alignment inside a blob (compact headers)
+
+
+def staging_path(final: str) -> str:
+    """The staging directory of a checkpoint directory (the same name on every rank)."""
+    d, base = os.path.split(os.path.abspath(final))
+    return os.path.join(d, f".{base}{STAGING_SUFFIX}")
+
+
+def is_checkpoint_dir(path: str | os.PathLike) -> bool:
+    """Is ``path`` a DCP checkpoint directory FastPersist wrote (a manifest per rank file)?"""
+    p = os.fspath(path)
+    return os.path.isdir(p) and os.path.isfile(os.path.join(p, METADATA)) and any(
+        n.endswith(DATA_SUFFIX + MANIFEST_SUFFIX) for n in os.listdir(p))
+
+
+# ---------------------------------------------------------------- writing
+
+
+@dataclasses.dataclass
+class _Item:
+    write_item: WriteItem
+    offset: int  # of the item's bytes in the rank's file
+    length: int
+    record: int  # its index (the plan's record number for its storage)
+    crc: int = 0
+
+
+def _tensor_blob(tensor: torch.Tensor) -> tuple[SparseFile, int, torch.Tensor]:
+    """``torch.save(tensor)`` as a skeleton with a hole where the storage's bytes go: the
+    skeleton, where the hole starts in it, and the bytes (a flat uint8 view)."""
+    sparse, storages = capture(tensor, _BLOB_ALIGNMENT)
+    (key, (storage, _, nbytes)), = storages.items()
+    directory = ziptail.read_directory(sparse)
+    entry = next(e for e in directory.entries if e.name.endswith(f"/data/{key}"))
+    return sparse, ziptail.local_data_offset(sparse, entry.header_offset), byte_view(storage)
+
+
+def _owns_its_storage(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0 and t.is_contiguous()
+
+
+class _RankFile:
+    """One rank's data file laid out as a single FilePlan for the engine."""
+
+    def __init__(self, items: list[tuple[WriteItem, Any]]) -> None:
+        self.skeleton = SparseFile()
+        self.storages: list[StorageExtent] = []
+        self.items: list[_Item] = []
+        self._keep: list[Any] = []
+        pos = 0
+        for i, (wi, data) in enumerate(items):
+            if wi.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+                self.skeleton.pwrite(pos, raw)
+                self.items.append(_Item(wi, pos, len(raw), i))
+                pos += len(raw)
+                continue
+            t = data.detach()
+            if not _owns_its_storage(t):  # torch.save would write the whole storage of a view
+                t = t.contiguous().clone()
+            sparse, hole, src = _tensor_blob(t)
+            self._keep.append(t)
+            # The storage's bytes start on a block, congruent to their address for CPU memory
+            # (the engine then writes them from the tensor itself).
+            residue = src.data_ptr() % _ALIGN if src.device.type == "cpu" and src.data_ptr() % 64 == 0 else 0
+            data_at = align_up(pos + hole, _ALIGN) + residue
+            if data_at - _ALIGN >= pos + hole:
+                data_at -= _ALIGN
+            base = data_at - hole
+            for off, seg in sparse.segments():
+                self.skeleton.pwrite(base + off, seg)
+            if src.numel():
+                self.storages.append(StorageExtent(base + hole, src.numel(), src, i))
+            self.items.append(_Item(wi, base, sparse.size, i))
+            pos = base + sparse.size
+        self.size = pos
+        self.skeleton.seek(pos)
+
+    def plan(self, alignment: int) -> FilePlan:
+        return FilePlan(file_size=self.size, alignment=alignment, skeleton=self.skeleton,
+                        storages=sorted(self.storages, key=lambda s: s.offset), manifest=None)
+
+    def item_crcs(self, piece_crcs: list[Any]) -> None:
+        """Each item's CRC-32C over its bytes: the skeleton's, and the storage pieces the
+        engine checksummed while staging, folded in file order."""
+        parts: dict[int, list[tuple[int, int, int]]] = {}  # record -> (file offset, length, crc)
+        ext = {s.record: s for s in self.storages}
+        for pc in piece_crcs:
+            parts.setdefault(pc.record, []).append((ext[pc.record].offset + pc.start, pc.length, pc.crc))
+        for it in self.items:
+            spans = list(parts.get(it.record, []))
+            for off, seg in self.skeleton.segments_in(it.offset, it.length):
+                spans.append((it.offset + off, len(seg), _native.crc32c(seg)))
+            crc, pos = 0, it.offset
+            for off, n, c in sorted(spans):
+                if off > pos:  # a hole in the skeleton (zeros)
+                    crc = _native.crc32c_combine(crc, _native.crc32c(bytes(off - pos)), off - pos)
+                crc = _native.crc32c_combine(crc, c, n)
+                pos = off + n
+            end = it.offset + it.length
+            if pos < end:
+                crc = _native.crc32c_combine(crc, _native.crc32c(bytes(end - pos)), end - pos)
+            it.crc = crc
+
+
+class FastPersistWriter(StorageWriter):
+    """A DCP ``StorageWriter`` on the native engine (see the module doc).
+
+    ``path``: the checkpoint directory. ``options``: engine options (``backend``,
+    ``queue_depth``, ``chunk_bytes``, ``copy_threads``, ``io_threads``).
+    """
+
+    def __init__(self, path: str | os.PathLike, **options: Any) -> None:
+        super().__init__()
+        self.options, rest = EngineOptions.pick(dict(options))
+        if rest:
+            raise TypeError(f"FastPersistWriter got unknown options {sorted(rest)}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self.is_coordinator = True
+        self.stats: dict[str, Any] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.save_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        from .paths import is_remote
+
+        return not is_remote(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank") if kwargs.get("rank") is not None else 0
+        if is_coordinator:
+            # Before any rank writes (they start after the plans are gathered, a collective):
+            # a staging directory left by a killed save goes, and a fresh one is made.
+            if os.path.lexists(self.path) and not os.path.isdir(self.path):
+                raise NotADirectoryError(20, "a DCP checkpoint is a directory; a file is in the way", self.path)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            shutil.rmtree(staging_path(self.path), ignore_errors=True)
+            os.mkdir(staging_path(self.path))
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        t0 = time.perf_counter()
+        name = f"{plan.storage_data.prefix}0{DATA_SUFFIX}"
+        staging = staging_path(self.path)
+        items = [(wi, planner.resolve_data(wi)) for wi in plan.items]
+        rank_file = _RankFile(items)
+        final = os.path.join(staging, name)
+        from .engine import open_engine
+
+        temp = commit.TempFile(final, lambda p, tmpfile: open_engine(p, self.options, create=True, tmpfile=tmpfile))
+        try:
+            engine = temp.engine
+            fplan = rank_file.plan(max(_ALIGN, engine.alignment))
+            rs = RangeStats()
+            with engine:
+                pieces = write_range(engine, fplan, 0, fplan.file_size, self.options, rs)
+                engine.truncate(fplan.file_size)
+                engine.sync()
+            rank_file.item_crcs(pieces)
+            temp.publish()
+        except BaseException as e:
+            temp.abort()
+            if isinstance(e, OSError) and getattr(e, "filename", None) in (temp.engine_path, temp.name):
+                raise rename_os_error(e, final) from e
+            raise
+        manifest = {
+            "format": FORMAT, "file": name, "size": rank_file.size,
+            "items": [{"fqn": it.write_item.index.fqn, "offset": it.offset, "length": it.length,
+                       "crc32c": f"{it.crc:08x}", "kind": "bytes" if it.write_item.type == WriteItemType.BYTE_IO
+                       else "tensor"} for it in rank_file.items],
+        }
+        _write_json(os.path.join(staging, name + MANIFEST_SUFFIX), manifest)
+        self.stats = {"bytes": rank_file.size, "seconds": time.perf_counter() - t0,
+                      "zero_copy_bytes": rs.zero_copy_bytes, "file": name}
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result([WriteResult(index=it.write_item.index, size_in_bytes=it.length,
+                                    storage_data=_StorageInfo(name, it.offset, it.length)) for it in rank_file.items])
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: ``.metadata`` last, then the whole directory into place, durably."""
+        staging = staging_path(self.path)
+        storage_md: dict[MetadataIndex, Any] = {}
+        for wr_list in results:
+            storage_md.update({wr.index: wr.storage_data for wr in wr_list})
+        metadata.storage_data = storage_md
+        metadata.storage_meta = self.storage_meta()
+        buf = io.BytesIO()
+        pickle.dump(metadata, buf)
+        _write_bytes(os.path.join(staging, METADATA), buf.getvalue())
+        commit.publish_dir(staging, self.path)
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, doc: dict) -> None:
+    _write_bytes(path, json.dumps(doc, separators=(",", ":")).encode())
+
+
+# ---------------------------------------------------------------- reading
+
+
+class FastPersistReader(StorageReader):
+    """A DCP ``StorageReader`` that reads each rank's file with the native reader; with
+    ``verify=True`` every item is checked against its CRC-32C first. Reads directories
+    written by stock DCP too (without checksums to check)."""
+
+    def __init__(self, path: str | os.PathLike, verify: bool = False) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.verify = verify
+        self.storage_data: dict[MetadataIndex, Any] = {}
+        self.load_id = uuid.uuid4().hex
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.load_id = uuid.uuid4().hex
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        from .paths import is_remote
+
+        return not is_remote(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = os.path.join(self.path, METADATA)
+        with open(path, "rb") as f:
+            md = pickle.load(f)  # DCP's own format (stock FileSystemReader does the same)
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[Any]] = {}
+        for req in plan.items:
+            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+        for rel, reqs in per_file.items():
+            path = os.path.join(self.path, rel)
+            crcs = _item_crcs(path) if self.verify else {}
+            with CheckpointFile(path) as cf, cf.native_reader() as reader:
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    info = self.storage_data[req.storage_index]
+                    buf = np.empty(info.length, dtype=np.uint8)
+                    if info.offset + info.length > cf.size:
+                        raise CorruptCheckpointError(path, req.storage_index.fqn, f"item of {info.length} bytes at "
+                                                     f"{info.offset} runs past the end of the {cf.size}-byte file")
+                    crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=self.verify)
+                    if self.verify:
+                        _check_item(path, req.storage_index.fqn, info.offset, info.length, crc, crcs)
+                    if req.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(req, io.BytesIO(buf.tobytes()))
+                        continue
+                    tensor = torch.load(io.BytesIO(memoryview(buf)), map_location="cpu", weights_only=True)
+                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+                    target = planner.resolve_tensor(req).detach()
+                    if target.size() != tensor.size():
+                        raise CorruptCheckpointError(path, req.storage_index.fqn,
+                                                     f"holds {tuple(tensor.size())}, expected {tuple(target.size())}")
+                    target.copy_(tensor)
+                    planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _item_crcs(data_file: str) -> dict[tuple[int, int], tuple[str, int]]:
+    """(offset, length) -> (fqn, crc32c) of every item of a rank file, from its manifest."""
+    return {(it["offset"], it["length"]): (it["fqn"], it["crc32c"]) for it in _read_manifest(data_file)["items"]}
+
+
+def _check_item(path: str, fqn: str, offset: int, length: int, crc: int, crcs: dict) -> None:
+    want = crcs.get((offset, length))
+    if want is None:
+        raise CorruptCheckpointError(path, fqn, f"no checksum recorded for the item at {offset} ({length} bytes)",
+                                     tensor=fqn)
+    if crc != want[1]:
+        raise CorruptCheckpointError(path, fqn, f"CRC-32C {crc:08x}, expected {want[1]:08x}", tensor=fqn)
+
+
+def _read_manifest(data_file: str) -> dict:
+    """A rank file's manifest, every field checked (it is untrusted input)."""
+    mpath = data_file + MANIFEST_SUFFIX
+    try:
+        with open(mpath, "rb") as f:
+            raw = f.read(64 << 20)
+        doc = json.loads(raw)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, "its FastPersist manifest is missing") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, f"manifest does not parse: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("items"), list):
+        raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, "not a FastPersist DCP manifest")
+    size = doc.get("size")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, f"size {size!r}")
+    end, items = 0, []
+    for it in doc["items"]:
+        ok = isinstance(it, dict) and isinstance(it.get("fqn"), str) and all(
+            isinstance(it.get(k), int) and not isinstance(it.get(k), bool) and it[k] >= 0 for k in ("offset", "length"))
+        crc = it.get("crc32c") if ok else None
+        if not ok or not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
+            raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, f"item {str(it)[:80]} is malformed")
+        if it["offset"] < end or it["offset"] + it["length"] > size:
+            raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, f"item {it['fqn']} at {it['offset']} overlaps "
+                                         "the one before it or runs past the file")
+        end = it["offset"] + it["length"]
+        items.append({**it, "crc32c": int(crc, 16)})
+    return {**doc, "items": items}
+
+
+def verify_dir(path: str | os.PathLike) -> dict:
+    """Check every item of every rank file of a FastPersist DCP directory against its
+    CRC-32C; raise :class:`CorruptCheckpointError` naming the rank file and the FQN."""
+    t0 = time.perf_counter()
+    d = os.fspath(path)
+    files = sorted(n[: -len(MANIFEST_SUFFIX)] for n in os.listdir(d) if n.endswith(DATA_SUFFIX + MANIFEST_SUFFIX))
+    if not os.path.isfile(os.path.join(d, METADATA)):
+        raise CorruptCheckpointError(d, METADATA, "the checkpoint directory has no .metadata")
+    nbytes = nitems = 0
+    scratch = np.empty(16 << 20, dtype=np.uint8)
+    for name in files:
+        path = os.path.join(d, name)
+        doc = _read_manifest(path)
+        with CheckpointFile(path) as cf:
+            if cf.size != doc["size"]:
+                raise CorruptCheckpointError(path, "<file>", f"file is {cf.size} bytes, manifest says {doc['size']}")
+            with cf.native_reader() as reader:
+                for it in doc["items"]:
+                    crc, pos = 0, 0
+                    while pos < it["length"]:
+                        n = min(it["length"] - pos, scratch.nbytes)
+                        part = reader.read_into(it["offset"] + pos, scratch.ctypes.data, n, checksum=True)
+                        crc = _native.crc32c_combine(crc, part, n) if pos else part
+                        pos += n
+                    if crc != it["crc32c"]:
+                        raise CorruptCheckpointError(path, it["fqn"], f"CRC-32C {crc:08x}, expected "
+                                                     f"{it['crc32c']:08x}", tensor=it["fqn"])
+        nbytes += doc["size"]
+        nitems += len(doc["items"])
+    return {"path": d, "files": len(files), "records": nitems, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def inspect_dir(path: str | os.PathLike) -> list[dict]:
+    """Every item of every rank file: file, FQN, kind, offset, size, checksum."""
+    d = os.fspath(path)
+    rows = []
+    for n in sorted(os.listdir(d)):
+        if n.endswith(DATA_SUFFIX + MANIFEST_SUFFIX):
+            name = n[: -len(MANIFEST_SUFFIX)]
+            for it in _read_manifest(os.path.join(d, name))["items"]:
+                rows.append({"name": f"{name}:{it['fqn']}", "tensor": it["fqn"], "kind": it.get("kind"),
+                             "offset": it["offset"], "size": it["length"], "crc32c": f"{it['crc32c']:08x}"})
+    return rows
+
+
+__all__ = ["FastPersistWriter", "FastPersistReader", "verify_dir", "inspect_dir", "is_checkpoint_dir", "staging_path"]

@@ -1,0 +1,178 @@
+"""Sharded checkpoints through torch.distributed.checkpoint on the native engine
+(fp_core.dcp.FastPersistWriter / FastPersistReader)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import HELPERS
+
+import fp_core
+from fp_core.dcp import FastPersistReader, FastPersistWriter, staging_path
+from fp_core.errors import CorruptCheckpointError
+
+warnings.filterwarnings("ignore", message=".*torch.distributed.*")
+
+
+def state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(300, 200, generator=g), "b": torch.randn(200, generator=g),
+                      "half": torch.randn(33, generator=g).half(), "view": (torch.arange(1000) + seed)[100:160]},
+            "step": seed, "name": "run"}
+
+
+def blank() -> dict:
+    return {"model": {"w": torch.zeros(300, 200), "b": torch.zeros(200), "half": torch.zeros(33).half(),
+                      "view": torch.zeros(60, dtype=torch.int64)}, "step": -1, "name": ""}
+
+
+def failure(ei) -> BaseException:
+    """The exception a rank raised, out of DCP's CheckpointException (one process: rank 0)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    assert isinstance(ei.value, CheckpointException), ei.value
+    err = ei.value.failures[0]
+    return err[0] if isinstance(err, tuple) else err
+
+
+def assert_state(got: dict, want: dict) -> None:
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert got["step"] == want["step"] and got["name"] == want["name"]
+
+
+def test_round_trip_through_our_reader_and_stocks(tmp_path):
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(1), storage_writer=FastPersistWriter(d))
+    assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "__0_0.distcp.fastpersist.json"]
+    assert not os.path.exists(staging_path(d)) and sorted(os.listdir(tmp_path)) == ["ckpt"]
+    for reader in (FastPersistReader(d), FastPersistReader(d, verify=True), None):
+        got = blank()
+        dcp.load(got, checkpoint_id=d) if reader is None else dcp.load(got, storage_reader=reader)
+        assert_state(got, state(1))
+    report = fp_core.verify(d)
+    assert report["files"] == 1 and report["records"] == 6
+
+
+def test_a_directory_written_by_stock_dcp_loads_through_our_reader(tmp_path):
+    d = str(tmp_path / "stock")
+    dcp.save(state(2), checkpoint_id=d)
+    got = blank()
+    dcp.load(got, storage_reader=FastPersistReader(d))
+    assert_state(got, state(2))
+
+
+def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(1), storage_writer=FastPersistWriter(d))
+    dcp.save(state(2), storage_writer=FastPersistWriter(d))
+    got = blank()
+    dcp.load(got, checkpoint_id=d)
+    assert_state(got, state(2))
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("after", [0, 64 << 10])
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, fault, after):
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(1), storage_writer=FastPersistWriter(d))
+    before = sorted(os.listdir(d))
+    fault("write", errno=5, after_bytes=after)
+    with pytest.raises(BaseException) as ei:  # DCP raises CheckpointException, a BaseException
+        dcp.save(state(2), storage_writer=FastPersistWriter(d))
+    err = failure(ei)
+    assert isinstance(err, OSError) and err.errno == 5, err
+    assert sorted(os.listdir(d)) == before
+    got = blank()
+    dcp.load(got, storage_reader=FastPersistReader(d, verify=True))
+    assert_state(got, state(1))
+    fp_core.verify(d)
+
+
+def test_a_damaged_item_is_found_and_named(tmp_path):
+    from fp_core.tools import cli
+
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(3), storage_writer=FastPersistWriter(d))
+    item = next(r for r in fp_core.inspect(d) if r["tensor"] == "model.w")
+    path = os.path.join(d, "__0_0.distcp")
+    with open(path, "r+b") as f:
+        f.seek(item["offset"] + item["size"] - 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(CorruptCheckpointError, match="model.w") as ei:
+        fp_core.verify(d)
+    assert ei.value.path == path
+    with pytest.raises(BaseException) as ei:  # DCP raises CheckpointException, a BaseException
+        dcp.load(blank(), storage_reader=FastPersistReader(d, verify=True))
+    err = failure(ei)
+    assert isinstance(err, CorruptCheckpointError) and err.tensor == "model.w" and err.path == path
+    assert cli.main(["verify", d]) == 1
+
+
+@pytest.mark.parametrize("edit", ["not json", "offset past the end", "overlap", "crc not hex"])
+def test_a_crafted_manifest_is_a_corrupt_checkpoint(tmp_path, edit):
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(4), storage_writer=FastPersistWriter(d))
+    mpath = os.path.join(d, "__0_0.distcp.fastpersist.json")
+    doc = json.loads(open(mpath).read())
+    if edit == "not json":
+        raw = b"\xff{"
+    else:
+        if edit == "offset past the end":
+            doc["items"][0]["offset"] = 10**15
+        elif edit == "overlap":
+            doc["items"][1]["offset"] = doc["items"][0]["offset"]
+        else:
+            doc["items"][0]["crc32c"] = "zz"
+        raw = json.dumps(doc).encode()
+    open(mpath, "wb").write(raw)
+    with pytest.raises(CorruptCheckpointError):
+        fp_core.verify(d)
+
+
+def test_async_save_with_our_writer_keeps_the_state_at_save(tmp_path):
+    d = str(tmp_path / "ckpt")
+    s = state(5)
+    fut = dcp.async_save(s, storage_writer=FastPersistWriter(d))
+    s["model"]["w"].add_(1.0)  # training goes on; the checkpoint holds the values at async_save
+    fut.result()
+    got = blank()
+    dcp.load(got, storage_reader=FastPersistReader(d, verify=True))
+    assert_state(got, state(5))
+
+
+def test_inspect_lists_every_item(tmp_path):
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(6), storage_writer=FastPersistWriter(d))
+    rows = fp_core.inspect(d)
+    assert {r["tensor"] for r in rows} == {"model.w", "model.b", "model.half", "model.view", "step", "name"}
+    assert all(r["name"].startswith("__0_0.distcp:") for r in rows)
+
+
+def test_two_ranks_fsdp2_on_cpu(tmp_path):
+    """FSDP2 (fully_shard) over gloo: each rank writes its shards; FastPersistReader (verifying)
+    and stock DCP load them back into another sharded model."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = os.path.join(HELPERS, "dcp_fsdp2.py")
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", port, str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["loaded_equal"] == {"fastpersist": True, "stock": True}
+    assert res["files"] == [".metadata", "__0_0.distcp", "__0_0.distcp.fastpersist.json", "__1_0.distcp",
+                            "__1_0.distcp.fastpersist.json"]
+    report = fp_core.verify(tmp_path / "ckpt")
+    assert report["files"] == 2
