@@ -102,22 +102,34 @@ def _lock_unheld(path: str) -> int | None:
     return fd
 
 
-def _remove_unheld(path: str) -> bool:
-    """Remove ``path`` if nobody holds it, *while* holding its lock ourselves: a writer that
-    takes it meanwhile finds it locked, or unlinked (TempFile starts over), never removed
-    under it after it checked."""
+def _remove_unheld(path: str, inode: int) -> bool:
+    """Remove ``path`` if it is still the file judged stale (``inode``: a temporary file, or a
+    placeholder still empty and marked) and nobody holds it, *while* holding its lock: a
+    writer that takes it meanwhile finds it locked or unlinked (TempFile starts over), and a
+    checkpoint renamed over the name since is a different inode, never removed."""
     fd = _lock_unheld(path)
     if fd is None:
         return False
     try:
-        if os.fstat(fd).st_ino != os.lstat(path).st_ino:
-            return False  # the name was given to another file meanwhile
+        st = os.fstat(fd)
+        if st.st_ino != inode or os.lstat(path).st_ino != inode:
+            return False  # the name holds another file now (a finished checkpoint, a new save)
+        if not _TEMP_RE.match(os.path.basename(path)):
+            if st.st_size != 0 or _xattr(fd) is None:
+                return False  # not an empty, marked placeholder any more
         os.unlink(path)
         return True
     except FileNotFoundError:
         return False
     finally:
         os.close(fd)
+
+
+def _xattr(fd: int) -> bytes | None:
+    try:
+        return os.getxattr(fd, PLACEHOLDER_XATTR)
+    except OSError:
+        return None
 
 
 def link_fd(fd: int, name: str) -> None:
@@ -161,13 +173,23 @@ def tmpfile_supported(directory: str) -> bool:
         return False  # the named path says what is wrong with the directory
     if dev not in _TMPFILE_OK:
         try:
-            os.close(os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600))
+            fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600)
         except OSError as e:
             if e.errno not in _TMPFILE_UNSUPPORTED:
                 return False  # not a verdict on the filesystem (permissions...): ask again next time
             _TMPFILE_OK[dev] = False
-        else:
+            return False
+        # The commit links it through /proc/self/fd: a sandbox without /proc, or a filesystem
+        # that refuses the link, must get named files, not a failure after the write.
+        probe = temp_path(os.path.join(directory, "probe"))
+        try:
+            link_fd(fd, probe)
+            os.unlink(probe)
             _TMPFILE_OK[dev] = True
+        except OSError:
+            _TMPFILE_OK[dev] = False
+        finally:
+            os.close(fd)
     return _TMPFILE_OK[dev]
 
 
@@ -218,9 +240,9 @@ class TempFile:
 
     def publish(self) -> None:
         """Link (unnamed) and rename the finished file over the final name, durably."""
-        if self.unnamed:
-            link_fd(self._held, self.name)
         try:
+            if self.unnamed:
+                link_fd(self._held, self.name)
             publish(self.name, self.final)
         except BaseException:
             discard(self.name)
@@ -285,9 +307,9 @@ def claim(final: str) -> int | None:
         fd = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
     except FileExistsError:
         return None
-    try:
-        os.setxattr(fd, PLACEHOLDER_XATTR, f"{writer_tag()}-0".encode())
+    try:  # held before it is marked: a clean-up never sees a marked placeholder nobody holds
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.setxattr(fd, PLACEHOLDER_XATTR, f"{writer_tag()}-0".encode())
     except OSError:
         os.close(fd)
         os.unlink(final)
@@ -349,6 +371,11 @@ def _writer_host(entry: os.DirEntry) -> str | None:
 def stale_files(directory: str) -> list[str]:
     """Temporary files (exactly as :func:`temp_path` names them) and pending-save
     placeholders in ``directory``, regular files of this host, that no live writer holds."""
+    return [p for p, _ in _candidates(directory) if not _held(p)]
+
+
+def _candidates(directory: str) -> list[tuple[str, int]]:
+    """``(path, inode)`` of this host's temporary files and placeholders in ``directory``."""
     out = []
     try:
         entries = list(os.scandir(directory))
@@ -357,18 +384,18 @@ def stale_files(directory: str) -> list[str]:
     for e in entries:
         try:
             host = _writer_host(e)
+            if host is not None and _ours_to_judge(host):
+                out.append((e.path, e.inode()))
         except OSError:
             continue
-        if host is not None and _ours_to_judge(host) and not _held(e.path):
-            out.append(e.path)
     return out
 
 
 def _remove_stale(directory: str) -> list[str]:
     removed = []
-    for p in stale_files(directory):
+    for p, ino in _candidates(directory):
         try:
-            if _remove_unheld(p):
+            if _remove_unheld(p, ino):
                 removed.append(p)
         except OSError as e:
             log.warning("fastpersist: could not remove %s left by a crashed save: %s", p, e)
@@ -441,10 +468,18 @@ def publish_dir(staging: str, final: str) -> None:
         replaced = os.path.join(parent, REPLACED_PREFIX + os.path.basename(final))
         shutil.rmtree(replaced, ignore_errors=True)
         os.rename(final, replaced)
-    os.rename(staging, final)
+    try:
+        os.rename(staging, final)
+    except BaseException:
+        if replaced is not None:
+            os.rename(replaced, final)  # the previous checkpoint back under its name
+        raise
     fsync_dir(parent)
     if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
+        try:
+            retire_dirs([replaced])
+        except OSError as e:  # committed already: what is left aside goes at the next recover_dirs
+            log.warning("fastpersist: could not remove the replaced checkpoint %s: %s", replaced, e)
 
 
 def retire_dirs(paths: list[str]) -> None:
@@ -453,6 +488,7 @@ def retire_dirs(paths: list[str]) -> None:
     gone = []
     for p in paths:
         aside = os.path.join(os.path.dirname(p), RETIRED_PREFIX + os.path.basename(p))
+        shutil.rmtree(aside, ignore_errors=True)  # a leftover of an earlier, interrupted delete
         os.rename(p, aside)
         gone.append(aside)
     for parent in {os.path.dirname(g) for g in gone}:

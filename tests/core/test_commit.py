@@ -182,3 +182,20 @@ def test_named_temp_files_where_o_tmpfile_is_refused(disk_dir, monkeypatch):
     assert len(seen) == 1 and commit._TEMP_RE.match(os.path.basename(seen[0]))
     assert sorted(os.listdir(disk_dir)) == ["named.pt"]
     assert torch.equal(torch.load(path)["w"], torch.arange(1000))
+
+
+def test_clean_never_removes_a_checkpoint_renamed_over_a_stale_placeholder(disk_dir):
+    """The clean-up judges a placeholder stale (its writer died), then a save renames a finished
+    checkpoint over that name before the clean-up removes it: the checkpoint must survive."""
+    from fp_core import commit
+
+    path = os.path.join(disk_dir, "x.ckpt")
+    fd = commit.claim(path)
+    assert fd is not None
+    commit.settle(fd)  # its writer is gone: a stale placeholder
+    ((p, ino),) = commit._candidates(disk_dir)
+    assert p == path
+    fp_core.save({"w": torch.ones(8)}, path)  # the next save of that name commits meanwhile
+    assert not commit._remove_unheld(p, ino)
+    assert torch.equal(torch.load(path)["w"], torch.ones(8))
+    assert fp_core.clean(disk_dir) == []
