@@ -55,6 +55,8 @@ class CheckpointFile:
 
     def pread(self, off: int, n: int) -> bytes:
         """``n`` bytes at ``off`` (fewer at the end of the file); ``n`` is capped by the size."""
+        if off < 0:
+            raise CorruptCheckpointError(self.path, STRUCTURE, f"an offset ({off}) before the start of the file")
         n = max(0, min(n, self.size - off))
         out = bytearray()
         while len(out) < n:
@@ -66,6 +68,8 @@ class CheckpointFile:
 
     def crc(self, off: int, n: int) -> int:
         """CRC-32C of [off, off + n), read a chunk at a time (memory bounded whatever ``n`` is)."""
+        if off < 0 or n < 0:
+            raise CorruptCheckpointError(self.path, STRUCTURE, f"a range ({off}, {n} bytes) outside the file")
         crc, pos = 0, 0
         while pos < n:
             chunk = os.pread(self.fd, min(n - pos, _CHUNK), off + pos)
@@ -83,11 +87,21 @@ class CheckpointFile:
         if self._zip is None:
             try:
                 with os.fdopen(os.dup(self.fd), "rb") as f, zipfile.ZipFile(f) as z:
-                    self._zip = (z.infolist(), z.comment, z.start_dir)
+                    entries, comment, start_dir = z.infolist(), z.comment, z.start_dir
             except Exception as e:  # noqa: BLE001 - crafted zips raise ValueError, struct.error, EOFError...
+                if not self.carries_tail_mark() and self._legacy_torch_file():
+                    raise NotAFastPersistCheckpoint(f"{self.path} is in torch's legacy (non-zip) format") from None
                 raise CorruptCheckpointError(self.path, STRUCTURE, f"not a complete zip file (truncated?): "
                                              f"{type(e).__name__}: {e}") from None
+            bad = next((i for i in entries if not 0 <= i.header_offset < start_dir), None)
+            if bad is not None or not 0 <= start_dir <= self.size:
+                raise CorruptCheckpointError(self.path, STRUCTURE, "the zip directory points outside the file")
+            self._zip = (entries, comment, start_dir)
         return self._zip
+
+    def _legacy_torch_file(self) -> bool:
+        """torch.save(..., _use_new_zipfile_serialization=False): a pickle, not a zip."""
+        return self.pread(0, 2) in (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
     def carries_tail_mark(self) -> bool:
         """Does the file end in FastPersist's tail-checksum comment? Then it was written with

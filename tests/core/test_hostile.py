@@ -476,3 +476,32 @@ def test_check_reads_one_file_while_its_name_is_replaced(tmp_path):
     assert replaced > 50, "the replacing process did not keep up"
     assert corrupt == 0
     assert epochs == {1, 2}
+
+
+def test_a_zip_directory_pointing_before_the_file_is_corrupt(tmp_path):
+    """An end-of-directory record whose directory offset is too large makes zipfile report
+    negative header offsets: a CorruptCheckpointError, not a bare OSError(EINVAL)."""
+    import struct
+
+    path = str(tmp_path / "c.pt")
+    fp_core.save(small_state(), path)
+    data = bytearray(open(path, "rb").read())
+    eocd = data.rindex(b"PK\x05\x06")
+    (cd_off,) = struct.unpack_from("<I", data, eocd + 16)
+    if cd_off == 0xFFFFFFFF:
+        pytest.skip("zip64 directory offset")
+    struct.pack_into("<I", data, eocd + 16, cd_off + 10**6)
+    open(path, "wb").write(bytes(data))
+    for fn in (fp_core.verify, lambda p: fp_core.load(p, verify=True), fp_core.inspect):
+        with pytest.raises(CorruptCheckpointError):
+            fn(path)
+
+
+def test_a_legacy_torch_file_loads_with_verify_auto(tmp_path):
+    path = str(tmp_path / "legacy.pt")
+    torch.save({"w": torch.arange(5)}, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(fp_core.load(path, verify="auto")["w"], torch.arange(5))
+    with pytest.raises(fp_core.NotAFastPersistCheckpoint):
+        fp_core.verify(path)
+    io = _lightning_io()
+    assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(5))
