@@ -23,8 +23,10 @@ file in parallel; they are published only if every rank succeeded.
 from __future__ import annotations
 
 import datetime
+import errno
 import logging
 import os
+import shutil
 import socket
 import time
 from typing import Any
@@ -239,7 +241,12 @@ class CollectiveSave:
                 if temp is not None:
                     temp.abort()
                     temp, engine = None, None
-        ok, err, tmp = _broadcast(header, cg)
+        try:
+            ok, err, tmp = _broadcast(header, cg)
+        except BaseException:
+            if temp is not None:  # a dead peer: rank 0's temp file goes, not held to the end
+                temp.abort()
+            raise
         if ok and tmp == _DECLINED:
             # rank 0 writes this checkpoint alone (see decline()): nothing to do here.
             stats.writers = 0
@@ -407,30 +414,52 @@ def save_sharded(obj: Any, path: str | os.PathLike, group: Any = None, *, option
     # fails makes every rank put its previous file back (or remove the new one).
     final = prepared.final
     new_inode = os.fstat(prepared.temp.fileno()).st_ino
-    previous = None
+    previous, held = None, None
     status, own_error = (True, ""), None
     try:
         if os.path.lexists(final):
             previous = commit.temp_path(final)
-            os.link(final, previous)
+            held = _keep_aside(final, previous)  # held: no clean-up takes it for an orphan
         prepared.publish()
     except Exception as e:  # noqa: BLE001 - agreed on below
         status, own_error = (False, f"{type(e).__name__}: {e}"), e
+        prepared.abort()
     try:
-        statuses = _all_gather(status, cg)
-    except BaseException:
-        _restore(final, previous, new_inode)
-        raise
-    failed = _failures(statuses)
-    if failed:
-        _restore(final, previous, new_inode)
-        if own_error is not None:
-            raise own_error
-        raise CollectiveSaveError(f"sharded save of {os.fspath(path)} not committed (previous files kept): "
-                                  f"{'; '.join(failed)}")
-    if previous is not None:
-        commit.discard(previous)
+        try:
+            statuses = _all_gather(status, cg)
+        except BaseException:
+            _restore(final, previous, new_inode)
+            raise
+        failed = _failures(statuses)
+        if failed:
+            _restore(final, previous, new_inode)
+            if own_error is not None:
+                raise own_error
+            raise CollectiveSaveError(f"sharded save of {os.fspath(path)} not committed (previous files kept): "
+                                      f"{'; '.join(failed)}")
+        if previous is not None and os.path.lexists(previous):
+            commit.discard(previous)
+    finally:
+        commit.settle(held)
     return stats
+
+
+def _keep_aside(final: str, previous: str) -> int:
+    """Keep the file under ``final`` reachable as ``previous`` while a sharded save
+    publishes (a hard link; a copy where the filesystem has no links); return a held
+    descriptor of it (commit.hold)."""
+    try:
+        os.link(final, previous)
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.ENOSYS, errno.EXDEV):
+            raise
+        shutil.copyfile(final, previous)
+        commit.fsync_file(previous)
+    fd = os.open(previous, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return commit.hold(fd)
+    finally:
+        os.close(fd)
 
 
 def _restore(final: str, previous: str | None, new_inode: int) -> None:

@@ -322,6 +322,20 @@ class AsyncCheckpointer:
                                group=None if local else self.group, topology=self.topology,
                                timeout_s=self.timeout_s, congruent=True, storage_options=storage_options,
                                keep_local=keep_local)
+        try:
+            return self._enqueue(prepared, on_commit, t0)
+        except BaseException as e:
+            if prepared.collective and isinstance(e, Exception):
+                # The other ranks are about to wait for this rank in the collective: it must
+                # still run, and report the failure to them (and to us, at the next call).
+                prepared.fail(e)
+                return self._enqueue_job(prepared, "overlap", [], None, on_commit, None, t0)
+            prepared.abort()  # nothing of it is queued: its temporary file goes
+            raise
+
+    def _enqueue(self, prepared: SaveJob, on_commit: Callable[[str, SaveStats], None] | None,
+                 t0: float) -> SaveHandle:
+        """Choose the policy, do the work that belongs inside ``save()`` and queue the job."""
         storages = prepared.plan.storages if prepared.plan is not None else []
         mark_ready(storages)
         small = [s for s in storages if s.length <= self.small_tensor_bytes]
@@ -343,6 +357,16 @@ class AsyncCheckpointer:
                 if not (self._warm_failed or warming):
                     warm = (need, pin)
         arena = self._cpu_work_now(prepared, policy, small, big)
+        try:
+            return self._enqueue_job(prepared, policy, big, arena, on_commit, warm, t0)
+        except BaseException:
+            if arena is not None:
+                self._give_arena(arena)
+            raise
+
+    def _enqueue_job(self, prepared: SaveJob, policy: str, big: list[StorageExtent], arena: Arena | None,
+                     on_commit: Callable[[str, SaveStats], None] | None, warm: tuple[int, bool] | None,
+                     t0: float) -> SaveHandle:
         handle = SaveHandle(prepared.final)
         # What the writer will read from live memory: it must not be freed meanwhile.
         live = _LiveMemory([s for s in big if s.host is None], handle._staged)
@@ -590,7 +614,6 @@ class AsyncCheckpointer:
                 s.host, s.host_crcs = None, None
             if arena is not None:
                 self._give_arena(arena)
-            prepared.abort()
             raise
         prepared.stats.extra["at_save_seconds"] = time.perf_counter() - t0
         return arena
