@@ -67,6 +67,8 @@ class Guard:
             return
         with _lock:
             if not _guarded:  # the first guard puts the wrappers on (class attributes shadow the C methods)
+                _saved.update(storage=torch.UntypedStorage.__dict__.get("resize_"),
+                              tensor=torch.Tensor.__dict__.get("resize_"))
                 torch.UntypedStorage.resize_ = _storage_resize
                 torch.Tensor.resize_ = _tensor_resize
             for k in self.keys:
@@ -82,9 +84,22 @@ class Guard:
                     if not events:
                         del _guarded[k]
             if self.keys and not _guarded:  # the last guard takes the wrappers off again
-                del torch.UntypedStorage.resize_
-                del torch.Tensor.resize_
+                _restore(torch.UntypedStorage, _saved.get("storage"), _storage_resize)
+                _restore(torch.Tensor, _saved.get("tensor"), _tensor_resize)
             self.keys = set()
+
+
+_saved: dict[str, Any] = {}  # what the classes held under resize_ before the wrappers went on
+
+
+def _restore(cls: type, before: Any, ours: Any) -> None:
+    """Put back what ``cls.resize_`` was, unless someone replaced our wrapper meanwhile."""
+    if cls.__dict__.get("resize_") is not ours:
+        return
+    if before is None:
+        del cls.resize_
+    else:
+        cls.resize_ = before
 
 
 def active() -> bool:

@@ -264,9 +264,23 @@ class _Slot:
     """
 
     def __init__(self, basename: str) -> None:
-        self.dir = os.path.join(staging_dir(), "pending", f"{commit.writer_tag()}-{uuid.uuid4().hex[:12]}")
-        os.mkdir(self.dir, 0o700)
-        self._fd = _lock_dir(self.dir, blocking=True)
+        pending = os.path.join(staging_dir(), "pending")
+        for _ in range(8):
+            self.dir = os.path.join(pending, f"{commit.writer_tag()}-{uuid.uuid4().hex[:12]}")
+            os.mkdir(self.dir, 0o700)
+            try:
+                fd = _lock_dir(self.dir, blocking=True)
+            except FileNotFoundError:
+                continue  # another process's clean-up took it for a dead slot before we held it
+            try:
+                if fd is not None and os.fstat(fd).st_ino == os.lstat(self.dir).st_ino:
+                    self._fd: int | None = fd
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        else:
+            raise OSError(errno.EAGAIN, "could not make a staging slot that stays", pending)
         self.path = os.path.join(self.dir, basename)
 
     def close(self) -> None:

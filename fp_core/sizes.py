@@ -25,4 +25,7 @@ def parse_size(text: str) -> int:
     unit = m.group(2).lower() if m else None
     if unit not in _UNITS:
         raise ValueError(f"not a size: {text!r} (try 512MiB, 4GiB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"not a size: {text!r} (too large)")
+    return int(value)
