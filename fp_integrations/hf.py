@@ -359,7 +359,8 @@ class FastPersistCallback(TrainerCallback):
         checkpoint at ...", a ValueError user code catches)."""
         if self.verify_on_resume and os.path.isdir(resume_from_checkpoint):
             verify_checkpoint_dir(resume_from_checkpoint)
-        return Trainer._load_from_checkpoint(self.trainer, resume_from_checkpoint, model)
+        # the trainer's own class: a subclass's override of the load is kept
+        return type(self.trainer)._load_from_checkpoint(self.trainer, resume_from_checkpoint, model)
 
     def _uninstall(self) -> None:
         t = self._installed_on
@@ -557,6 +558,12 @@ class FastPersistCallback(TrainerCallback):
             os.makedirs(run_dir, exist_ok=True)
             os.makedirs(staging, exist_ok=True)
             ckptr = self.checkpointer
+            if self._collective() and not args.save_only_model:
+                # First, on every rank in the same order: the ranks meet in this collective,
+                # and a failure later on one rank must not leave the others waiting in it.
+                # DP ranks hold the same optimizer state: each writes a near-equal byte range
+                # of the one optimizer.pt (fp_core collective save; rank 0 names the file).
+                handles.append(ckptr.save(tr.optimizer.state_dict(), os.path.join(staging, OPTIMIZER_NAME)))
 
             # 1. model weights (+ config, generation config, processing class, training_args.bin)
             with intercept_safetensors_writes(ckptr, handles):
@@ -573,9 +580,7 @@ class FastPersistCallback(TrainerCallback):
             # 3. optimizer, scheduler, scaler (async), RNG (tiny; the Trainer's own method)
             if not args.save_only_model:
                 if self._collective():
-                    # DP ranks hold the same optimizer state: each writes a near-equal byte range
-                    # of the one optimizer.pt (fp_core collective save; rank 0 names the file).
-                    handles.append(ckptr.save(tr.optimizer.state_dict(), os.path.join(staging, OPTIMIZER_NAME)))
+                    pass  # queued first, above
                 elif args.should_save:
                     handles.append(ckptr.save(tr.optimizer.state_dict(), os.path.join(staging, OPTIMIZER_NAME),
                                               local=True))
@@ -626,6 +631,15 @@ class FastPersistCallback(TrainerCallback):
         # already started have finished, and keeps the ranks' agreement steps paired.
         try:
             rec.commit = self.checkpointer.enqueue(commit, after=[])
+            if should_save and error is None and save_total_limit:
+                # rotation after the commit, a job of its own: if it fails, that is reported,
+                # and the committed checkpoint (and its upload) stay as they are
+                def rotate(rec: CheckpointRecord = rec) -> None:
+                    if rec.ok:  # only once this checkpoint is committed
+                        _rotate_local(run_dir, save_total_limit, best)
+
+                rotate.__name__ = f"rotate {run_dir}"
+                self.checkpointer.enqueue(rotate, after=[rec.commit])
             if self.remote_dir is not None and should_save and error is None:
                 # 6. upload after the local commit (same FIFO worker), then rotate remotely
                 rec.remote = f"{self.remote_dir}/{checkpoint_folder}"
@@ -698,12 +712,12 @@ class FastPersistCallback(TrainerCallback):
             try:
                 if ok:
                     fp_commit.publish_dir(rec.staging, rec.path)
-                    _rotate_local(run_dir, save_total_limit, best)
                 else:
                     shutil.rmtree(rec.staging, ignore_errors=True)
             except BaseException as e:  # noqa: BLE001
                 err, ok = e, False
                 shutil.rmtree(rec.staging, ignore_errors=True)
+
         if distributed:
             fp_dist.barrier()  # committed before any rank moves on
         rec.bytes = nbytes
@@ -732,10 +746,9 @@ class FastPersistCallback(TrainerCallback):
         if not self.keep_local:
             self._uploaded_local.append(rec.path)
             keep = [p for p in self._uploaded_local if best is not None and os.path.abspath(p) == os.path.abspath(best)]
-            for p in self._uploaded_local:
-                if p not in keep:
-                    shutil.rmtree(p, ignore_errors=True)
+            gone = [p for p in self._uploaded_local if p not in keep and os.path.isdir(p)]
             self._uploaded_local = keep
+            fp_commit.retire_dirs(gone)  # renamed out of checkpoint-* first, like any rotation
         return True
 
     def _rotate_remote(self, newest: str, best: str | None, save_total_limit: int | None) -> None:

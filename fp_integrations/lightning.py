@@ -731,7 +731,8 @@ def __getattr__(name: str) -> Any:
         try:
             made = _make_pl_classes()
         except ImportError:
-            raise ImportError(f"{name} needs the 'pytorch_lightning' package: pip install pytorch-lightning") from None
+            raise ImportError(f"{name} needs the 'pytorch_lightning' package: pip install pytorch-lightning") \
+                from None
         globals().update(made)
         return made[name]
     if name in ("FastPersistIO", "FastPersistCallback", "FastPersistModelCheckpoint"):
