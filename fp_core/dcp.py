@@ -58,7 +58,7 @@ from torch.futures import Future
 from . import _native, commit, ziptail
 from .engine import EngineOptions
 from .errors import CorruptCheckpointError
-from .integrity import CheckpointFile
+from .integrity import CheckpointFile, record_crc
 from .local import rename_os_error
 from .plan import FilePlan, StorageExtent, align_up, byte_view
 from .skeleton import SparseFile, capture
@@ -67,6 +67,7 @@ from .writer import RangeStats, write_range
 METADATA = ".metadata"
 DATA_SUFFIX = ".distcp"
 MANIFEST_SUFFIX = ".fastpersist.json"
+DIR_MANIFEST = ".fastpersist-dcp.json"  # the rank files of the checkpoint, written last by the coordinator
 STAGING_SUFFIX = ".fastpersist-staging"
 FORMAT = "fastpersist-dcp/1"
 _ALIGN = 4096  # where each blob's storage bytes start in the file (O_DIRECT blocks)
@@ -80,10 +81,9 @@ def staging_path(final: str) -> str:
 
 
 def is_checkpoint_dir(path: str | os.PathLike) -> bool:
-    """Is ``path`` a DCP checkpoint directory FastPersist wrote (a manifest per rank file)?"""
+    """Is ``path`` a DCP checkpoint directory FastPersist wrote?"""
     p = os.fspath(path)
-    return os.path.isdir(p) and os.path.isfile(os.path.join(p, METADATA)) and any(
-        n.endswith(DATA_SUFFIX + MANIFEST_SUFFIX) for n in os.listdir(p))
+    return os.path.isfile(os.path.join(p, DIR_MANIFEST)) and os.path.isfile(os.path.join(p, METADATA))
 
 
 # ---------------------------------------------------------------- writing
@@ -276,6 +276,13 @@ class FastPersistWriter(StorageWriter):
         buf = io.BytesIO()
         pickle.dump(metadata, buf)
         _write_bytes(os.path.join(staging, METADATA), buf.getvalue())
+        # Which rank files make the checkpoint, and a checksum of each manifest and of
+        # .metadata: a missing or swapped file is found, not just a damaged one.
+        files = sorted({info.relative_path for info in storage_md.values()})
+        doc = {"format": FORMAT, "metadata_crc32c": f"{_native.crc32c(buf.getvalue()):08x}", "files": {
+            name: f"{_native.crc32c(_read_small(os.path.join(staging, name + MANIFEST_SUFFIX))):08x}"
+            for name in files}}
+        _write_json(os.path.join(staging, DIR_MANIFEST), doc)
         commit.publish_dir(staging, self.path)
 
 
@@ -288,6 +295,11 @@ def _write_bytes(path: str, data: bytes) -> None:
         os.fdatasync(fd)
     finally:
         os.close(fd)
+
+
+def _read_small(path: str, limit: int = 64 << 20) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(limit)
 
 
 def _write_json(path: str, doc: dict) -> None:
@@ -417,48 +429,82 @@ def _read_manifest(data_file: str) -> dict:
     return {**doc, "items": items}
 
 
+def _dir_manifest(d: str) -> dict[str, int]:
+    """``{rank file: CRC-32C of its manifest}`` of a FastPersist DCP directory, with
+    ``.metadata`` checked against its CRC; raises for a directory FastPersist did not write
+    (:class:`NotAFastPersistCheckpoint`) or a damaged one."""
+    from .errors import NotAFastPersistCheckpoint
+
+    path = os.path.join(d, DIR_MANIFEST)
+    try:
+        raw = _read_small(path)
+    except FileNotFoundError:
+        if os.path.isfile(os.path.join(d, METADATA)):
+            raise NotAFastPersistCheckpoint(f"{d} is a torch.distributed.checkpoint directory FastPersist did "
+                                            f"not write (no {DIR_MANIFEST})") from None
+        raise NotAFastPersistCheckpoint(f"{d} is a directory, not a checkpoint") from None
+    try:
+        doc = json.loads(raw)
+        files = doc["files"]
+        meta_crc = int(doc["metadata_crc32c"], 16)
+        table = {name: int(crc, 16) for name, crc in files.items()}
+    except (ValueError, UnicodeDecodeError, RecursionError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(path, DIR_MANIFEST, f"does not parse: {type(e).__name__}: {e}") from None
+    if doc.get("format") != FORMAT or not all(
+            isinstance(n, str) and n.endswith(DATA_SUFFIX) and "/" not in n and not n.startswith(".") for n in table):
+        raise CorruptCheckpointError(path, DIR_MANIFEST, "not a FastPersist DCP directory manifest")
+    try:
+        meta = _read_small(os.path.join(d, METADATA), 1 << 30)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(d, METADATA, "the checkpoint directory has no .metadata") from None
+    if _native.crc32c(meta) != meta_crc:
+        raise CorruptCheckpointError(os.path.join(d, METADATA), METADATA, "CRC-32C does not match")
+    return table
+
+
 def verify_dir(path: str | os.PathLike) -> dict:
-    """Check every item of every rank file of a FastPersist DCP directory against its
-    CRC-32C; raise :class:`CorruptCheckpointError` naming the rank file and the FQN."""
+    """Check every rank file of a FastPersist DCP directory, and every item in it, against
+    the checksums recorded at save time; raise :class:`CorruptCheckpointError` naming the
+    rank file and the FQN of a damaged item (or the file that is missing)."""
     t0 = time.perf_counter()
     d = os.fspath(path)
-    files = sorted(n[: -len(MANIFEST_SUFFIX)] for n in os.listdir(d) if n.endswith(DATA_SUFFIX + MANIFEST_SUFFIX))
-    if not os.path.isfile(os.path.join(d, METADATA)):
-        raise CorruptCheckpointError(d, METADATA, "the checkpoint directory has no .metadata")
+    table = _dir_manifest(d)
     nbytes = nitems = 0
     scratch = np.empty(16 << 20, dtype=np.uint8)
-    for name in files:
+    for name, manifest_crc in sorted(table.items()):
         path = os.path.join(d, name)
+        try:
+            if _native.crc32c(_read_small(path + MANIFEST_SUFFIX)) != manifest_crc:
+                raise CorruptCheckpointError(path, MANIFEST_SUFFIX, "its manifest's CRC-32C does not match")
+        except FileNotFoundError:
+            raise CorruptCheckpointError(path, MANIFEST_SUFFIX, "the rank file's manifest is missing") from None
         doc = _read_manifest(path)
-        with CheckpointFile(path) as cf:
+        try:
+            cf = CheckpointFile(path)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(path, "<file>", "the rank file is missing") from None
+        with cf:
             if cf.size != doc["size"]:
                 raise CorruptCheckpointError(path, "<file>", f"file is {cf.size} bytes, manifest says {doc['size']}")
             with cf.native_reader() as reader:
                 for it in doc["items"]:
-                    crc, pos = 0, 0
-                    while pos < it["length"]:
-                        n = min(it["length"] - pos, scratch.nbytes)
-                        part = reader.read_into(it["offset"] + pos, scratch.ctypes.data, n, checksum=True)
-                        crc = _native.crc32c_combine(crc, part, n) if pos else part
-                        pos += n
+                    crc = record_crc(reader, it["offset"], it["length"], scratch) if it["length"] else 0
                     if crc != it["crc32c"]:
                         raise CorruptCheckpointError(path, it["fqn"], f"CRC-32C {crc:08x}, expected "
                                                      f"{it['crc32c']:08x}", tensor=it["fqn"])
         nbytes += doc["size"]
         nitems += len(doc["items"])
-    return {"path": d, "files": len(files), "records": nitems, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+    return {"path": d, "files": len(table), "records": nitems, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
 
 def inspect_dir(path: str | os.PathLike) -> list[dict]:
     """Every item of every rank file: file, FQN, kind, offset, size, checksum."""
     d = os.fspath(path)
     rows = []
-    for n in sorted(os.listdir(d)):
-        if n.endswith(DATA_SUFFIX + MANIFEST_SUFFIX):
-            name = n[: -len(MANIFEST_SUFFIX)]
-            for it in _read_manifest(os.path.join(d, name))["items"]:
-                rows.append({"name": f"{name}:{it['fqn']}", "tensor": it["fqn"], "kind": it.get("kind"),
-                             "offset": it["offset"], "size": it["length"], "crc32c": f"{it['crc32c']:08x}"})
+    for name in sorted(_dir_manifest(d)):
+        for it in _read_manifest(os.path.join(d, name))["items"]:
+            rows.append({"name": f"{name}:{it['fqn']}", "tensor": it["fqn"], "kind": it.get("kind"),
+                         "offset": it["offset"], "size": it["length"], "crc32c": f"{it['crc32c']:08x}"})
     return rows
 
 

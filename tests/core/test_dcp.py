@@ -52,7 +52,8 @@ def assert_state(got: dict, want: dict) -> None:
 def test_round_trip_through_our_reader_and_stocks(tmp_path):
     d = str(tmp_path / "ckpt")
     dcp.save(state(1), storage_writer=FastPersistWriter(d))
-    assert sorted(os.listdir(d)) == [".metadata", "__0_0.distcp", "__0_0.distcp.fastpersist.json"]
+    assert sorted(os.listdir(d)) == [".fastpersist-dcp.json", ".metadata", "__0_0.distcp",
+                                     "__0_0.distcp.fastpersist.json"]
     assert not os.path.exists(staging_path(d)) and sorted(os.listdir(tmp_path)) == ["ckpt"]
     for reader in (FastPersistReader(d), FastPersistReader(d, verify=True), None):
         got = blank()
@@ -172,7 +173,33 @@ def test_two_ranks_fsdp2_on_cpu(tmp_path):
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
     res = json.loads((tmp_path / "result.json").read_text())
     assert res["loaded_equal"] == {"fastpersist": True, "stock": True}
-    assert res["files"] == [".metadata", "__0_0.distcp", "__0_0.distcp.fastpersist.json", "__1_0.distcp",
-                            "__1_0.distcp.fastpersist.json"]
+    assert res["files"] == [".fastpersist-dcp.json", ".metadata", "__0_0.distcp", "__0_0.distcp.fastpersist.json",
+                            "__1_0.distcp", "__1_0.distcp.fastpersist.json"]
     report = fp_core.verify(tmp_path / "ckpt")
     assert report["files"] == 2
+
+
+@pytest.mark.parametrize("loss", ["rank file", "its manifest", "both", ".metadata damaged"])
+def test_a_missing_or_swapped_piece_is_found(tmp_path, loss):
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(7), storage_writer=FastPersistWriter(d))
+    data = os.path.join(d, "__0_0.distcp")
+    if loss in ("rank file", "both"):
+        os.unlink(data)
+    if loss in ("its manifest", "both"):
+        os.unlink(data + ".fastpersist.json")
+    if loss == ".metadata damaged":
+        with open(os.path.join(d, ".metadata"), "r+b") as f:
+            f.seek(10)
+            b = f.read(1)
+            f.seek(10)
+            f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(CorruptCheckpointError):
+        fp_core.verify(d)
+
+
+def test_a_stock_directory_is_not_called_verified(tmp_path):
+    d = str(tmp_path / "stock")
+    dcp.save(state(8), checkpoint_id=d)
+    with pytest.raises(fp_core.NotAFastPersistCheckpoint):
+        fp_core.verify(d)
