@@ -596,7 +596,9 @@ class FastPersistCallback(TrainerCallback):
                                                   local=True))
                 rng_before = set(os.listdir(staging))
                 tr._save_rng_state(staging)
-                sync_files += [os.path.join(staging, n) for n in sorted(set(os.listdir(staging)) - rng_before)]
+                # this rank's RNG file(s) only: other ranks write into the same directory meanwhile
+                sync_files += [os.path.join(staging, n) for n in sorted(set(os.listdir(staging)) - rng_before)
+                               if n.startswith("rng_state")]
 
             # 4. trainer state, with the stateful callbacks as of now
             if args.should_save:
@@ -695,19 +697,20 @@ class FastPersistCallback(TrainerCallback):
                 ok = False  # the core reports that error itself, at the next fence / wait
             else:
                 nbytes += getattr(h.result(), "bytes", 0) or 0
+        err: BaseException | None = None
         if ok:
             try:
                 for p in sync_files:
                     fsync_file(p)
-            except OSError:
+            except OSError as e:
                 ok = False
                 if not distributed:
                     if should_save:  # nothing will commit it: the checkpoint-sized staging goes
                         shutil.rmtree(rec.staging, ignore_errors=True)
                     raise
+                err = e  # raised once the other ranks know
         if distributed:
             ok = fp_dist.agree(ok)
-        err: BaseException | None = None
         if should_save:
             try:
                 if ok:
