@@ -22,16 +22,33 @@ from .stats import SaveStats
 def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = None, *, format: str = "torch",
             metadata: dict[str, str] | None = None, group: Any = None, topology: Any = "replica",
             timeout_s: float | None = None, congruent: bool = False, storage_options: dict | None = None,
-            keep_local: bool = False) -> SaveJob:
+            keep_local: bool = False, extra_files: dict[str, bytes] | None = None) -> SaveJob:
     """Prepare the save of ``obj`` to ``path`` (pickled now: its structure is fixed); the
     returned job writes and commits it when run.
 
     ``group``: a collective save with the other ranks of that torch.distributed group.
     ``congruent``: lay local CPU tensors out congruent to their addresses, so they can be
     written without staging (the async pipeline's layout).
+    A state holding ``DTensor`` s (FSDP2, tensor parallel) is a sharded checkpoint: ``path``
+    is a directory every rank of ``group`` (default: all) writes through DCP
+    (:mod:`fp_core.dcp_save`), with ``extra_files`` (``{name: bytes}``) beside its shards.
     """
     options = options or EngineOptions()
     is_remote, p = paths.split(path)
+    from .dcp_save import DcpSave, is_sharded
+
+    if is_sharded(obj):
+        if is_remote:
+            raise ValueError(f"sharded checkpoints to a remote URL ({p}) are not supported: save to a local "
+                             "directory, then upload it")
+        if format != "torch":
+            raise ValueError("a sharded checkpoint is a torch.distributed.checkpoint directory: format='torch'")
+        from .distributed import DEFAULT_TIMEOUT_S
+
+        return DcpSave(obj, p, group, options=options, extra_files=extra_files,
+                       timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    if extra_files:
+        raise ValueError("extra_files go with sharded (DTensor) checkpoints only")
     if is_remote:
         if group is not None:
             raise ValueError(f"collective saves to a remote URL ({p}) are not supported: save to a shared "
@@ -51,7 +68,8 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
 
 def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: dict[str, str] | None = None,
          group: Any = None, topology: Any = "replica", sharded: bool = False, timeout_s: float | None = None,
-         storage_options: dict | None = None, keep_local: bool = False, **options: Any) -> SaveStats:
+         storage_options: dict | None = None, keep_local: bool = False,
+         extra_files: dict[str, bytes] | None = None, **options: Any) -> SaveStats:
     """Write ``obj`` to ``path`` fast, atomically and durably; return the save's stats.
 
     ``format="torch"`` (default) writes a standard torch.save zip: ``torch.load(path)``
@@ -74,6 +92,11 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     Remote fsspec URLs (``s3://``, ``memory://``...) are staged locally, committed and
     uploaded before this returns (options ``storage_options=``, ``keep_local=``); see
     :mod:`fp_core.remote`. ``file://`` URLs are local paths.
+
+    Sharded state (``DTensor`` s: FSDP2, tensor parallel; every rank calls this): ``path``
+    is a checkpoint directory written through ``torch.distributed.checkpoint`` on the
+    native engine, atomically, that stock ``dcp.load`` reads (see :mod:`fp_core.dcp`);
+    ``extra_files`` (``{name: bytes}``) are written into it, checksummed.
     """
     opts, rest = EngineOptions.pick(dict(options))
     if rest:
@@ -88,7 +111,8 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
         return save_sharded(obj, path, group, options=opts,
                             timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     return prepare(obj, path, opts, format=format, metadata=metadata, group=group, topology=topology,
-                   timeout_s=timeout_s, storage_options=storage_options, keep_local=keep_local).run()
+                   timeout_s=timeout_s, storage_options=storage_options, keep_local=keep_local,
+                   extra_files=extra_files).run()
 
 
 def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,

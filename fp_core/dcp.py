@@ -36,6 +36,7 @@ import pickle
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -84,6 +85,19 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     """Is ``path`` a DCP checkpoint directory FastPersist wrote?"""
     p = os.fspath(path)
     return os.path.isfile(os.path.join(p, DIR_MANIFEST)) and os.path.isfile(os.path.join(p, METADATA))
+
+
+def check_extra_files(extra_files: dict[str, bytes]) -> dict[str, bytes]:
+    """The extra files of a checkpoint directory, their names checked (plain names, none of
+    DCP's or FastPersist's own)."""
+    out = {}
+    for name, data in extra_files.items():
+        if (not isinstance(name, str) or not name or "/" in name or "\0" in name or name.startswith(".")
+                or name in (METADATA, DIR_MANIFEST) or name.endswith((DATA_SUFFIX, MANIFEST_SUFFIX))):
+            raise ValueError(f"extra file name {name!r}: a plain file name other than DCP's and FastPersist's own")
+        out[name] = bytes(data)
+    return out
+
 
 
 # ---------------------------------------------------------------- writing
@@ -181,13 +195,22 @@ class FastPersistWriter(StorageWriter):
 
     ``path``: the checkpoint directory. ``options``: engine options (``backend``,
     ``queue_depth``, ``chunk_bytes``, ``copy_threads``, ``io_threads``).
+    ``extra_files``: ``{name: bytes}`` the coordinator writes into the directory before it
+    is committed, checksummed in the directory manifest. ``on_written``: called on each
+    rank once its file is written (no tensor memory is read after it). ``fail_with``: an
+    error this rank raises in planning, so that every rank fails the save together.
     """
 
-    def __init__(self, path: str | os.PathLike, **options: Any) -> None:
+    def __init__(self, path: str | os.PathLike, *, extra_files: dict[str, bytes] | None = None,
+                 on_written: Callable[[], None] | None = None, fail_with: BaseException | None = None,
+                 **options: Any) -> None:
         super().__init__()
         self.options, rest = EngineOptions.pick(dict(options))
         if rest:
             raise TypeError(f"FastPersistWriter got unknown options {sorted(rest)}")
+        self.extra_files = check_extra_files(extra_files or {})
+        self.on_written = on_written
+        self.fail_with = fail_with
         self.path = os.path.abspath(os.fspath(path))
         self.save_id = uuid.uuid4().hex
         self.rank = 0
@@ -221,6 +244,8 @@ class FastPersistWriter(StorageWriter):
             os.mkdir(staging_path(self.path))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.fail_with is not None:
+            raise self.fail_with
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -259,10 +284,14 @@ class FastPersistWriter(StorageWriter):
         }
         _write_json(os.path.join(staging, name + MANIFEST_SUFFIX), manifest)
         self.stats = {"bytes": rank_file.size, "seconds": time.perf_counter() - t0,
-                      "zero_copy_bytes": rs.zero_copy_bytes, "file": name}
+                      "zero_copy_bytes": rs.zero_copy_bytes, "file": name, "backend": engine.backend}
+        results = [WriteResult(index=it.write_item.index, size_in_bytes=it.length,
+                               storage_data=_StorageInfo(name, it.offset, it.length)) for it in rank_file.items]
+        del items, rank_file  # no tensor is read any more
+        if self.on_written is not None:
+            self.on_written()
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result([WriteResult(index=it.write_item.index, size_in_bytes=it.length,
-                                    storage_data=_StorageInfo(name, it.offset, it.length)) for it in rank_file.items])
+        fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -279,9 +308,12 @@ class FastPersistWriter(StorageWriter):
         # Which rank files make the checkpoint, and a checksum of each manifest and of
         # .metadata: a missing or swapped file is found, not just a damaged one.
         files = sorted({info.relative_path for info in storage_md.values()})
+        for name, data in self.extra_files.items():
+            _write_bytes(os.path.join(staging, name), data)
         doc = {"format": FORMAT, "metadata_crc32c": f"{_native.crc32c(buf.getvalue()):08x}", "files": {
             name: f"{_native.crc32c(_read_small(os.path.join(staging, name + MANIFEST_SUFFIX))):08x}"
-            for name in files}}
+            for name in files}, "extra_files": {name: f"{_native.crc32c(data):08x}"
+                                                for name, data in sorted(self.extra_files.items())}}
         _write_json(os.path.join(staging, DIR_MANIFEST), doc)
         commit.publish_dir(staging, self.path)
 
@@ -429,6 +461,21 @@ def _read_manifest(data_file: str) -> dict:
     return {**doc, "items": items}
 
 
+def _extra_files(d: str) -> dict[str, int]:
+    """``{extra file: CRC-32C}`` of a FastPersist DCP directory (Lightning's ``meta.pt``)."""
+    path = os.path.join(d, DIR_MANIFEST)
+    try:
+        extra = json.loads(_read_small(path)).get("extra_files", {})
+        table = {name: int(crc, 16) for name, crc in extra.items()}
+    except (ValueError, UnicodeDecodeError, RecursionError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(path, DIR_MANIFEST, f"extra_files does not parse: {type(e).__name__}: {e}") \
+            from None
+    for name in table:
+        if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or "\0" in name:
+            raise CorruptCheckpointError(path, DIR_MANIFEST, f"extra file name {name!r}")
+    return table
+
+
 def _dir_manifest(d: str) -> dict[str, int]:
     """``{rank file: CRC-32C of its manifest}`` of a FastPersist DCP directory, with
     ``.metadata`` checked against its CRC; raises for a directory FastPersist did not write
@@ -494,7 +541,18 @@ def verify_dir(path: str | os.PathLike) -> dict:
                                                      f"{it['crc32c']:08x}", tensor=it["fqn"])
         nbytes += doc["size"]
         nitems += len(doc["items"])
-    return {"path": d, "files": len(table), "records": nitems, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+    extra = _extra_files(d)
+    for name, want in sorted(extra.items()):
+        path = os.path.join(d, name)
+        try:
+            data = _read_small(path, 1 << 30)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(path, name, "a file of the checkpoint is missing") from None
+        if _native.crc32c(data) != want:
+            raise CorruptCheckpointError(path, name, f"CRC-32C {_native.crc32c(data):08x}, expected {want:08x}")
+        nbytes += len(data)
+        nitems += 1
+    return {"path": d, "files": len(table) + len(extra), "records": nitems, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
 
 def inspect_dir(path: str | os.PathLike) -> list[dict]:

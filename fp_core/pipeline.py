@@ -299,7 +299,7 @@ class AsyncCheckpointer:
              metadata: dict[str, str] | None = None,
              on_commit: Callable[[str, SaveStats], None] | None = None,
              storage_options: dict | None = None, keep_local: bool = False,
-             local: bool = False) -> SaveHandle:
+             local: bool = False, extra_files: dict[str, bytes] | None = None) -> SaveHandle:
         """Start saving ``obj`` to ``path``; return at once with a handle.
 
         With a ``group``, every save is collective unless ``local=True`` (this rank alone,
@@ -312,6 +312,11 @@ class AsyncCheckpointer:
         A remote fsspec URL is written to local staging, then uploaded on the worker;
         the handle, ``wait`` and ``on_commit(url, stats)`` cover the upload (the remote
         copy is complete). ``storage_options``/``keep_local``: see :mod:`fp_core.remote`.
+
+        Sharded state (``DTensor`` s: FSDP2, tensor parallel) is saved into the directory
+        ``path`` by every rank through ``torch.distributed.checkpoint`` (every rank calls
+        ``save`` in the same order; ``extra_files`` go into it), with the same policies and
+        fence: see :mod:`fp_core.dcp_save`.
         """
         t0 = time.perf_counter()
         self._check_open()
@@ -321,7 +326,7 @@ class AsyncCheckpointer:
         prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
                                group=None if local else self.group, topology=self.topology,
                                timeout_s=self.timeout_s, congruent=True, storage_options=storage_options,
-                               keep_local=keep_local)
+                               keep_local=keep_local, extra_files=extra_files)
         try:
             return self._enqueue(prepared, on_commit, t0)
         except BaseException as e:

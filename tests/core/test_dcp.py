@@ -203,3 +203,58 @@ def test_a_stock_directory_is_not_called_verified(tmp_path):
     dcp.save(state(8), checkpoint_id=d)
     with pytest.raises(fp_core.NotAFastPersistCheckpoint):
         fp_core.verify(d)
+
+
+def _run_ranks(script: str, tmp_path, *args: str, world: int = 2) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, script), str(r), str(world), port,
+                               str(tmp_path), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    return json.loads((tmp_path / "result.json").read_text())
+
+
+@pytest.mark.parametrize("policy", ["overlap", "snapshot", "sync"])
+def test_fsdp2_state_saved_while_training_steps_on(tmp_path, policy):
+    """AsyncCheckpointer (and fp_core.save) take FSDP2 state: every rank writes its shards
+    through DCP while three optimizer steps follow each save at once; each checkpoint holds
+    the state at save time (the training did change it), its extra file, and verifies."""
+    res = _run_ranks("dcp_async.py", tmp_path, policy)
+    assert len(res["saves"]) == 3
+    for s in res["saves"]:
+        assert s == {"equal": True, "meta": True, "changed_since": True}, s
+    assert res["verify"] == {"step0": 3, "step1": 3, "step2": 3}  # two rank files and meta.txt
+
+
+def test_a_rank_failing_a_sharded_save_fails_it_on_every_rank(tmp_path):
+    """Rank 1's write fails on the third save: both ranks get the error naming the path and
+    rank 1's cause; no directory under its name and no staging directory remain."""
+    res = _run_ranks("dcp_async.py", tmp_path, "fail")
+    assert [s.get("equal") for s in res["saves"][:2]] == [True, True]
+    err = res["saves"][2]["error"]
+    assert "step2" in err and "rank 1" in err and "Input/output error" in err, err
+    assert res["saves"][2]["listing"] == ["step0", "step1"]
+    assert res["verify"] == {"step0": 3, "step1": 3}
+
+
+def test_extra_files_are_committed_with_the_checkpoint_and_checked(tmp_path):
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(3), storage_writer=FastPersistWriter(d, extra_files={"meta.pt": b"lightning meta"}))
+    assert (tmp_path / "ckpt" / "meta.pt").read_bytes() == b"lightning meta"
+    assert fp_core.verify(d)["files"] == 2
+    (tmp_path / "ckpt" / "meta.pt").write_bytes(b"lightning mexa")
+    with pytest.raises(CorruptCheckpointError, match="meta.pt.*CRC-32C"):
+        fp_core.verify(d)
+    os.unlink(tmp_path / "ckpt" / "meta.pt")
+    with pytest.raises(CorruptCheckpointError, match="meta.pt.*missing"):
+        fp_core.verify(d)
+
+
+@pytest.mark.parametrize("name", ["../escape", "/abs", ".metadata", ".hidden", "__0_0.distcp", "x.fastpersist.json", ""])
+def test_extra_file_names_cannot_escape_or_shadow(tmp_path, name):
+    with pytest.raises(ValueError, match="extra file name"):
+        FastPersistWriter(str(tmp_path / "ckpt"), extra_files={name: b"x"})
+    assert not os.path.exists(tmp_path / "escape")

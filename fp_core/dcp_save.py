@@ -1,0 +1,217 @@
+"""A sharded state dict as a save job: every rank writes its shards through DCP.
+
+A state dict whose tensors include ``DTensor`` s (FSDP2 ``fully_shard``, tensor parallel)
+is not one object that one file can hold: each rank owns different pieces of it. So
+``fp_core.save(state, d)`` and ``AsyncCheckpointer.save(state, d)`` route it here
+(:func:`fp_core.api.prepare`), and the job runs ``torch.distributed.checkpoint.save`` with
+:class:`fp_core.dcp.FastPersistWriter` on a gloo group of its own (the async pipeline runs
+it on its worker thread, where it must never interleave with the training's collectives).
+Every rank of the group calls ``save`` for the same directory, in the same order.
+
+To the pipeline the job looks like any other: its plan lists every tensor's local bytes as
+a storage extent, so the ``snapshot`` policy copies them into its arena (the job then saves
+tensors over those copies, DTensors rebuilt over their local copy) and the ``overlap``
+policy writes the live tensors, the fence waiting until this rank's file holds them.
+What is not a tensor is fixed when the job is made (containers are copied).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .dcp import FastPersistWriter, check_extra_files, staging_path
+from .distributed import DEFAULT_TIMEOUT_S, coordination_group
+from .engine import EngineOptions
+from .errors import CheckpointError
+from .plan import FilePlan, StorageExtent, align_up
+from .skeleton import SparseFile
+from .stats import SaveStats
+
+_ALIGN = 4096
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def _sharded_tensor_type() -> type | None:
+    try:
+        from torch.distributed._shard.sharded_tensor import ShardedTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return ShardedTensor
+
+
+def is_sharded(obj: Any) -> bool:
+    """Does ``obj`` hold a ``DTensor`` or ``ShardedTensor`` (so that only DCP can save it)?"""
+    kinds = tuple(t for t in (_dtensor_type(), _sharded_tensor_type()) if t is not None)
+    if not kinds:
+        return False
+    stack, seen = [obj], 0
+    while stack and seen < 1_000_000:
+        o = stack.pop()
+        seen += 1
+        if isinstance(o, kinds):
+            return True
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return False
+
+
+class _Leaf:
+    """A tensor of the state: where its bytes are, and how to rebuild it over a copy."""
+
+    def __init__(self, tensor: torch.Tensor, dtensor: Any = None) -> None:
+        self.tensor = tensor  # the plain (local) tensor whose bytes are saved
+        self.dtensor = dtensor  # the DTensor it is the local part of, if any
+        self.extent: StorageExtent | None = None
+
+    def rebuild(self) -> Any:
+        t = self.tensor
+        if self.extent is not None and self.extent.host is not None:
+            t = self.extent.host[: t.nbytes].view(t.dtype).view(t.shape)
+        if self.dtensor is None:
+            return t
+        from torch.distributed.tensor import DTensor
+
+        d = self.dtensor
+        return DTensor.from_local(t, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+
+
+def _capture(obj: Any, leaves: list[_Leaf]) -> Any:
+    """A copy of ``obj``'s containers with every tensor replaced by a :class:`_Leaf`."""
+    DTensor = _dtensor_type()
+    if DTensor is not None and isinstance(obj, DTensor):
+        local = obj.to_local().detach()
+        leaf = _Leaf(local if local.is_contiguous() else local.contiguous(), obj)
+        leaves.append(leaf)
+        return leaf
+    ShardedTensor = _sharded_tensor_type()
+    if ShardedTensor is not None and isinstance(obj, ShardedTensor):
+        raise CheckpointError("a ShardedTensor (FSDP1's SHARDED_STATE_DICT) cannot be saved by fp_core.save or "
+                              "AsyncCheckpointer: use FSDP2 (DTensor state), or dcp.save(state, "
+                              "storage_writer=fp_core.dcp.FastPersistWriter(path))")
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        leaf = _Leaf(t if t.is_contiguous() else t.contiguous())
+        leaves.append(leaf)
+        return leaf
+    if isinstance(obj, dict):
+        return type(obj)((k, _capture(v, leaves)) for k, v in obj.items()) if type(obj) is not dict \
+            else {k: _capture(v, leaves) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_capture(v, leaves) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_capture(v, leaves) for v in obj)
+    return obj
+
+
+def _rebuild(obj: Any) -> Any:
+    if isinstance(obj, _Leaf):
+        return obj.rebuild()
+    if isinstance(obj, dict):
+        return {k: _rebuild(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rebuild(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_rebuild(v) for v in obj)
+    return obj
+
+
+class DcpSave:
+    """A sharded checkpoint directory written by every rank of ``group`` through DCP
+    (a :class:`fp_core.job.SaveJob`; see the module doc).
+
+    ``extra_files``: ``{name: bytes}`` the coordinator writes into the directory before it
+    is committed (Lightning's ``meta.pt``), checksummed in the directory manifest.
+    """
+
+    collective = True
+
+    def __init__(self, obj: Any, path: str | os.PathLike, group: Any = None, *,
+                 options: EngineOptions | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 extra_files: dict[str, bytes] | None = None) -> None:
+        t0 = time.perf_counter()
+        self.final = os.path.abspath(os.fspath(path))
+        self.options = options or EngineOptions()
+        self.extra_files = check_extra_files(extra_files or {})
+        self.cg = coordination_group(group, timeout_s)
+        self.stats = SaveStats(path=self.final)
+        self.error: BaseException | None = None
+        leaves: list[_Leaf] = []
+        self.state = _capture(obj, leaves)
+        extents, offset = [], 0
+        for i, leaf in enumerate(leaves):
+            t = leaf.tensor
+            if t.nbytes == 0:
+                continue
+            flat = t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
+            leaf.extent = StorageExtent(offset, t.nbytes, flat, i)
+            extents.append(leaf.extent)
+            offset = align_up(offset + t.nbytes, _ALIGN)
+        # Not a file layout: the pipeline reads only the extents (what to snapshot, what is live).
+        self.plan: FilePlan | None = FilePlan(file_size=offset, alignment=_ALIGN, skeleton=SparseFile(),
+                                              storages=extents, manifest=None)
+        self.stats.serialize_seconds = time.perf_counter() - t0
+
+    def fail(self, error: BaseException) -> None:
+        """Carried into :meth:`run`: this rank fails DCP's planning, so every rank fails."""
+        self.error = error
+
+    def abort(self) -> None:
+        """Nothing is on disk before :meth:`run`."""
+
+    def run(self, on_body_written: Callable[[], None] | None = None) -> SaveStats:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        t0 = time.perf_counter()
+        writer = FastPersistWriter(self.final, extra_files=self.extra_files, on_written=on_body_written,
+                                   fail_with=self.error, **dataclasses.asdict(self.options))
+        try:
+            dcp.save(_rebuild(self.state), storage_writer=writer, process_group=self.cg)
+        except CheckpointException as e:
+            if dist.get_rank(self.cg) == 0:  # every rank is past its writes: DCP's last exchange failed
+                shutil.rmtree(staging_path(self.final), ignore_errors=True)
+            raise CheckpointError(f"sharded checkpoint {self.final} not written: {_summary(e)}") from e
+        finally:
+            if on_body_written is not None:
+                on_body_written()
+            self.state = None  # the tensors (or their copies) are not needed any more
+        st = self.stats
+        st.bytes = int(writer.stats.get("bytes", 0))
+        st.write_seconds = float(writer.stats.get("seconds", 0.0))
+        st.seconds = st.serialize_seconds + time.perf_counter() - t0
+        st.writers = dist.get_world_size(self.cg)
+        st.backend = str(writer.stats.get("backend", ""))
+        st.extra["zero_copy_bytes"] = int(writer.stats.get("zero_copy_bytes", 0))
+        st.extra["rank_file"] = writer.stats.get("file", "")
+        return st
+
+
+def _summary(e: BaseException) -> str:
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(e)
+    parts = []
+    for rank, err in sorted(failures.items()):
+        cause = err[0] if isinstance(err, tuple) else err
+        parts.append(f"rank {rank}: {type(cause).__name__}: {cause}")
+    return "; ".join(parts)
+
+
+__all__ = ["DcpSave", "is_sharded"]
