@@ -541,18 +541,27 @@ def verify_dir(path: str | os.PathLike) -> dict:
                                                      f"{it['crc32c']:08x}", tensor=it["fqn"])
         nbytes += doc["size"]
         nitems += len(doc["items"])
-    extra = _extra_files(d)
-    for name, want in sorted(extra.items()):
-        path = os.path.join(d, name)
-        try:
-            data = _read_small(path, 1 << 30)
-        except FileNotFoundError:
-            raise CorruptCheckpointError(path, name, "a file of the checkpoint is missing") from None
-        if _native.crc32c(data) != want:
-            raise CorruptCheckpointError(path, name, f"CRC-32C {_native.crc32c(data):08x}, expected {want:08x}")
-        nbytes += len(data)
-        nitems += 1
+    extra = verify_extra_files(d)
+    nbytes += sum(extra.values())
+    nitems += len(extra)
     return {"path": d, "files": len(table) + len(extra), "records": nitems, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+
+def verify_extra_files(path: str | os.PathLike) -> dict[str, int]:
+    """Check the extra files of a FastPersist DCP directory (Lightning's ``meta.pt``) against
+    their checksums; return ``{name: size}``."""
+    d = os.fspath(path)
+    sizes = {}
+    for name, want in sorted(_extra_files(d).items()):
+        p = os.path.join(d, name)
+        try:
+            data = _read_small(p, 1 << 30)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(p, name, "a file of the checkpoint is missing") from None
+        if _native.crc32c(data) != want:
+            raise CorruptCheckpointError(p, name, f"CRC-32C {_native.crc32c(data):08x}, expected {want:08x}")
+        sizes[name] = len(data)
+    return sizes
 
 
 def inspect_dir(path: str | os.PathLike) -> list[dict]:
@@ -566,4 +575,4 @@ def inspect_dir(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-__all__ = ["FastPersistWriter", "FastPersistReader", "verify_dir", "inspect_dir", "is_checkpoint_dir", "staging_path"]
+__all__ = ["FastPersistWriter", "FastPersistReader", "verify_dir", "verify_extra_files", "inspect_dir", "is_checkpoint_dir", "staging_path"]

@@ -425,6 +425,44 @@ class _FastPersistIOImpl:
         finally:
             self.fence_seconds += time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ sharded strategies
+    def save_sharded(self, state: dict[str, Any], path: str, extra_files: dict[str, bytes]) -> None:
+        """Every rank: save sharded (DTensor) ``state`` into the checkpoint directory ``path``
+        (Lightning's sharded strategies, routed here by :mod:`fp_integrations.lightning_sharded`);
+        in the background unless the save must block, as :meth:`save_checkpoint`."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        self._install_hook()
+        blocking = not self.async_save or self._must_block()
+        # the user's on_commit runs once per checkpoint: where the directory is committed
+        on_commit = self._on_commit if not dist.is_initialized() or dist.get_rank() == 0 else self._record
+        try:
+            with self._lock:
+                self._sweep()
+                if blocking and self._ckpt is None:
+                    on_commit(path, fp_core.save(state, path, extra_files=extra_files, **self.engine_options))
+                    return
+                ckpt = self._checkpointer()
+                try:
+                    handle = ckpt.save(state, path, on_commit=on_commit, extra_files=extra_files)
+                except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
+                    self.errors.handle(e, "background checkpoint")
+                    handle = ckpt.save(state, path, on_commit=on_commit, extra_files=extra_files)
+                self._pending.setdefault(path, []).append(_Pending(handle, None))
+            if blocking:
+                handle.result()
+        except Exception as e:
+            self.errors.handle(e, f"saving sharded checkpoint {path}")
+        finally:
+            self.save_call_seconds.append(time.perf_counter() - t0)
+            if len(self.save_call_seconds) > self.keep_stats:
+                del self.save_call_seconds[0]
+
+    def wait_for_path(self, path: str) -> None:
+        """Block until no save of ``path`` is pending (raises its failure)."""
+        self._wait_for(path)
+
     # ------------------------------------------------------------------ internals
     @staticmethod
     def _parse_storage_options(storage_options: Any) -> bool:
@@ -514,12 +552,15 @@ class _FastPersistIOImpl:
 
     def _on_commit(self, path: str, stats: Any) -> None:
         # runs on the background thread once the file is durable under its final name
+        self._record(path, stats)
+        if self.on_commit is not None:
+            self.on_commit(path, stats)
+
+    def _record(self, path: str, stats: Any) -> None:
         self._committed.append(stats)
         self._unlogged.append(stats)
         if len(self._unlogged) > self.keep_stats:
             self._unlogged.popleft()
-        if self.on_commit is not None:
-            self.on_commit(path, stats)
 
     def _sweep(self, final: bool = False) -> None:
         """Forget finished saves; remove placeholders of failed ones. Caller holds the lock."""
@@ -599,14 +640,18 @@ class _FastPersistCallbackImpl:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         import torch.distributed as dist
 
+        from . import lightning_sharded
+
         plugin = self._plugin(trainer)
+        if plugin is not None and lightning_sharded.install(trainer.strategy, plugin):
+            return  # every rank saves its own shards (lightning_sharded); nothing to share
         if (plugin is not None and self.all_ranks_write and trainer.world_size > 1
                 and dist.is_available() and dist.is_initialized() and not plugin._collective):
             plugin.enable_collective()
 
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         plugin = self._plugin(trainer)
-        if plugin is None or not plugin._collective:
+        if plugin is None or not plugin._collective or getattr(trainer.strategy, "_fastpersist_sharded", None):
             return
         if trainer.is_global_zero:
             plugin.expect_collective(checkpoint)
