@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -110,6 +111,21 @@ class _Item:
     length: int
     record: int  # its index (the plan's record number for its storage)
     crc: int = 0
+    # A tensor item's storage bytes: where in the file, how many, their CRC-32C, and the
+    # tensor they hold (a reader fills a matching tensor straight from the file).
+    data_offset: int = 0
+    data_length: int = 0
+    data_crc: int = 0
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+
+    def record_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"fqn": self.write_item.index.fqn, "offset": self.offset, "length": self.length,
+                               "crc32c": f"{self.crc:08x}"}
+        if self.write_item.type == WriteItemType.BYTE_IO:
+            return {**doc, "kind": "bytes"}
+        return {**doc, "kind": "tensor", "data": [self.data_offset, self.data_length],
+                "data_crc32c": f"{self.data_crc:08x}", "dtype": self.dtype, "shape": list(self.shape)}
 
 
 def _tensor_blob(tensor: torch.Tensor) -> tuple[SparseFile, int, torch.Tensor]:
@@ -158,7 +174,8 @@ class _RankFile:
                 self.skeleton.pwrite(base + off, seg)
             if src.numel():
                 self.storages.append(StorageExtent(base + hole, src.numel(), src, i))
-            self.items.append(_Item(wi, base, sparse.size, i))
+            self.items.append(_Item(wi, base, sparse.size, i, data_offset=base + hole, data_length=src.numel(),
+                                    dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape)))
             pos = base + sparse.size
         self.size = pos
         self.skeleton.seek(pos)
@@ -175,6 +192,10 @@ class _RankFile:
         for pc in piece_crcs:
             parts.setdefault(pc.record, []).append((ext[pc.record].offset + pc.start, pc.length, pc.crc))
         for it in self.items:
+            data = 0
+            for _, n, c in sorted(parts.get(it.record, [])):
+                data = _native.crc32c_combine(data, c, n)
+            it.data_crc = data
             spans = list(parts.get(it.record, []))
             for off, seg in self.skeleton.segments_in(it.offset, it.length):
                 spans.append((it.offset + off, len(seg), _native.crc32c(seg)))
@@ -278,9 +299,7 @@ class FastPersistWriter(StorageWriter):
             raise
         manifest = {
             "format": FORMAT, "file": name, "size": rank_file.size,
-            "items": [{"fqn": it.write_item.index.fqn, "offset": it.offset, "length": it.length,
-                       "crc32c": f"{it.crc:08x}", "kind": "bytes" if it.write_item.type == WriteItemType.BYTE_IO
-                       else "tensor"} for it in rank_file.items],
+            "items": [it.record_doc() for it in rank_file.items],
         }
         _write_json(os.path.join(staging, name + MANIFEST_SUFFIX), manifest)
         self.stats = {"bytes": rank_file.size, "seconds": time.perf_counter() - t0,
@@ -389,14 +408,23 @@ class FastPersistReader(StorageReader):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         for rel, reqs in per_file.items():
             path = os.path.join(self.path, rel)
-            crcs = _item_crcs(path) if self.verify else {}
+            # A FastPersist rank file's manifest says where each tensor's bytes are: a
+            # request for a whole tensor is read straight into its target (one copy at
+            # most, no torch.load of the blob). Stock files, and other requests, take the
+            # general path.
+            items = {} if not (self.verify or os.path.exists(path + MANIFEST_SUFFIX)) else {
+                (it["offset"], it["length"]): it for it in _read_manifest(path)["items"]}
+            crcs = {k: (it["fqn"], it["crc32c"]) for k, it in items.items()} if self.verify else {}
             with CheckpointFile(path) as cf, cf.native_reader() as reader:
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[req.storage_index]
-                    buf = np.empty(info.length, dtype=np.uint8)
                     if info.offset + info.length > cf.size:
                         raise CorruptCheckpointError(path, req.storage_index.fqn, f"item of {info.length} bytes at "
                                                      f"{info.offset} runs past the end of the {cf.size}-byte file")
+                    if req.type != LoadItemType.BYTE_IO and self._read_direct(
+                            reader, path, req, planner, items.get((info.offset, info.length))):
+                        continue
+                    buf = np.empty(info.length, dtype=np.uint8)
                     crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=self.verify)
                     if self.verify:
                         _check_item(path, req.storage_index.fqn, info.offset, info.length, crc, crcs)
@@ -415,10 +443,33 @@ class FastPersistReader(StorageReader):
         fut.set_result(None)
         return fut
 
-
-def _item_crcs(data_file: str) -> dict[tuple[int, int], tuple[str, int]]:
-    """(offset, length) -> (fqn, crc32c) of every item of a rank file, from its manifest."""
-    return {(it["offset"], it["length"]): (it["fqn"], it["crc32c"]) for it in _read_manifest(data_file)["items"]}
+    def _read_direct(self, reader: Any, path: str, req: Any, planner: LoadPlanner, it: dict | None) -> bool:
+        """Read a whole saved tensor's bytes straight into its target; False when this
+        request cannot be (no record of the bytes, a slice, another dtype or shape, a
+        target that is not contiguous CPU memory)."""
+        if it is None or "data" not in it:
+            return False
+        target = planner.resolve_tensor(req).detach()
+        shape = tuple(it["shape"])
+        if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != it["dtype"]
+                or tuple(target.shape) != shape or tuple(req.lengths) != shape
+                or any(req.storage_offsets)):
+            return False
+        (off, n), fqn = it["data"], req.storage_index.fqn
+        crc = reader.read_into(off, target.data_ptr(), n, checksum=self.verify) if n else 0
+        if self.verify:
+            # the whole item is checked: the blob's own bytes around the tensor's (a few
+            # hundred: torch.save's header and directory) are read for their checksum
+            head = np.empty(off - it["offset"], dtype=np.uint8)
+            tail = np.empty(it["offset"] + it["length"] - off - n, dtype=np.uint8)
+            h = reader.read_into(it["offset"], head.ctypes.data, head.size, checksum=True) if head.size else 0
+            t = reader.read_into(off + n, tail.ctypes.data, tail.size, checksum=True) if tail.size else 0
+            whole = _native.crc32c_combine(_native.crc32c_combine(h, crc, n), t, tail.size)
+            if whole != it["crc32c"]:
+                raise CorruptCheckpointError(path, fqn, f"CRC-32C {whole:08x}, expected {it['crc32c']:08x}",
+                                             tensor=fqn)
+        planner.commit_tensor(req, target)
+        return True
 
 
 def _check_item(path: str, fqn: str, offset: int, length: int, crc: int, crcs: dict) -> None:
@@ -457,7 +508,7 @@ def _read_manifest(data_file: str) -> dict:
             raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, f"item {it['fqn']} at {it['offset']} overlaps "
                                          "the one before it or runs past the file")
         end = it["offset"] + it["length"]
-        items.append({**it, "crc32c": int(crc, 16)})
+        items.append({**it, "crc32c": int(crc, 16), **_data_fields(data_file, it)})
     return {**doc, "items": items}
 
 
@@ -474,6 +525,30 @@ def _extra_files(d: str) -> dict[str, int]:
         if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or "\0" in name:
             raise CorruptCheckpointError(path, DIR_MANIFEST, f"extra file name {name!r}")
     return table
+
+
+def _uints(v: Any, n: int | None) -> bool:
+    return isinstance(v, list) and (n is None or len(v) == n) and all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 for x in v)
+
+
+def _data_fields(data_file: str, it: dict) -> dict:
+    """A tensor item's storage bytes as the manifest records them, checked: ``data`` (offset,
+    length) inside the item, its CRC, dtype and shape; {} when the item has none."""
+    if "data" not in it:
+        return {}
+    data, crc, dtype, shape = it.get("data"), it.get("data_crc32c"), it.get("dtype"), it.get("shape")
+    ok = (_uints(data, 2) and _uints(shape, None) and len(shape) <= 64 and isinstance(dtype, str)
+          and isinstance(getattr(torch, dtype, None), torch.dtype) and isinstance(crc, str) and len(crc) == 8
+          and all(c in "0123456789abcdef" for c in crc))
+    if ok:
+        itemsize = getattr(torch, dtype).itemsize
+        ok = (it["offset"] <= data[0] and data[0] + data[1] <= it["offset"] + it["length"]
+              and data[1] == math.prod(shape) * itemsize)
+    if not ok:
+        raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, f"item {str(it.get('fqn'))[:80]}: its data fields "
+                                     "are malformed")
+    return {"data": tuple(data), "data_crc32c": int(crc, 16), "dtype": getattr(torch, dtype), "shape": tuple(shape)}
 
 
 def _dir_manifest(d: str) -> dict[str, int]:

@@ -120,7 +120,8 @@ def test_a_damaged_item_is_found_and_named(tmp_path):
     assert cli.main(["verify", d]) == 1
 
 
-@pytest.mark.parametrize("edit", ["not json", "offset past the end", "overlap", "crc not hex"])
+@pytest.mark.parametrize("edit", ["not json", "offset past the end", "overlap", "crc not hex", "data outside its item",
+                                  "data size not the shape's", "dtype not a dtype", "negative shape"])
 def test_a_crafted_manifest_is_a_corrupt_checkpoint(tmp_path, edit):
     d = str(tmp_path / "ckpt")
     dcp.save(state(4), storage_writer=FastPersistWriter(d))
@@ -133,12 +134,48 @@ def test_a_crafted_manifest_is_a_corrupt_checkpoint(tmp_path, edit):
             doc["items"][0]["offset"] = 10**15
         elif edit == "overlap":
             doc["items"][1]["offset"] = doc["items"][0]["offset"]
-        else:
+        elif edit == "crc not hex":
             doc["items"][0]["crc32c"] = "zz"
+        else:
+            t = next(it for it in doc["items"] if it["kind"] == "tensor" and it["shape"])
+            if edit == "data outside its item":
+                t["data"][0] = t["offset"] + t["length"]
+            elif edit == "data size not the shape's":
+                t["data"][1] += 4
+            elif edit == "dtype not a dtype":
+                t["dtype"] = "__class__"
+            else:
+                t["shape"][0] = -1
         raw = json.dumps(doc).encode()
     open(mpath, "wb").write(raw)
     with pytest.raises(CorruptCheckpointError):
         fp_core.verify(d)
+    with pytest.raises(BaseException) as ei:  # the reader parses the manifest too (read straight into targets)
+        dcp.load(blank(), storage_reader=FastPersistReader(d))
+    assert isinstance(failure(ei), CorruptCheckpointError)
+
+
+def test_a_damaged_tensor_byte_is_found_when_read_straight_into_its_target(tmp_path):
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(5), storage_writer=FastPersistWriter(d))
+    doc = json.loads(open(os.path.join(d, "__0_0.distcp.fastpersist.json")).read())
+    w = next(it for it in doc["items"] if it["fqn"] == "model.w")
+    assert w["dtype"] == "float32" and w["shape"] == [300, 200] and w["data"][1] == 300 * 200 * 4
+    got = blank()
+    dcp.load(got, storage_reader=FastPersistReader(d, verify=True))  # intact: loads, equal
+    assert_state(got, state(5))
+    with open(os.path.join(d, "__0_0.distcp"), "r+b") as f:
+        f.seek(w["data"][0] + 1000)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 4]))
+    with pytest.raises(BaseException) as ei:
+        dcp.load(blank(), storage_reader=FastPersistReader(d, verify=True))
+    err = failure(ei)
+    assert isinstance(err, CorruptCheckpointError) and err.tensor == "model.w"
+    got = blank()
+    dcp.load(got, storage_reader=FastPersistReader(d))  # unverified: the damaged byte arrives as is
+    assert not torch.equal(got["model"]["w"], state(5)["model"]["w"])
 
 
 def test_async_save_with_our_writer_keeps_the_state_at_save(tmp_path):
@@ -212,7 +249,13 @@ def _run_ranks(script: str, tmp_path, *args: str, world: int = 2) -> dict:
     procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, script), str(r), str(world), port,
                                str(tmp_path), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:  # a hung rank must not outlive the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
     return json.loads((tmp_path / "result.json").read_text())
 
