@@ -142,6 +142,16 @@ def _owns_its_storage(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == t.nbytes and t.storage_offset() == 0 and t.is_contiguous()
 
 
+def _own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor whose storage is exactly its bytes. A contiguous CPU view
+    (FSDP2's shards are views into a padded buffer) keeps its memory: its bytes are wrapped
+    as a storage of their own (through numpy), not copied; anything else is copied."""
+    if t.device.type == "cpu" and t.is_contiguous() and t.numel() and not t.is_quantized:
+        raw = t.reshape(-1).view(torch.uint8).numpy()  # shares t's memory, exactly its bytes
+        return torch.from_numpy(raw).view(t.dtype).view(t.shape)
+    return t.contiguous().clone()
+
+
 class _RankFile:
     """One rank's data file laid out as a single FilePlan for the engine."""
 
@@ -160,7 +170,7 @@ class _RankFile:
                 continue
             t = data.detach()
             if not _owns_its_storage(t):  # torch.save would write the whole storage of a view
-                t = t.contiguous().clone()
+                t = _own_storage(t)
             sparse, hole, src = _tensor_blob(t)
             self._keep.append(t)
             # The storage's bytes start on a block, congruent to their address for CPU memory

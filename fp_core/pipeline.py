@@ -647,6 +647,8 @@ class AsyncCheckpointer:
                     prepared.fail(e)
                 prepared.stats.extra["snapshot_seconds"] = time.perf_counter() - t0
             check = not prepared.collective  # a collective run() must not raise between its exchanges
+            if not big:  # every tensor was copied at save time: nothing live is read from here on
+                live.release(prepared.final, prepared.plan, check=False)
             stats = prepared.run(on_body_written=lambda: live.release(prepared.final, prepared.plan, check=check))
         finally:
             live.close()

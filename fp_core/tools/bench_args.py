@@ -2,8 +2,8 @@
 
 ``fastpersist --help``, ``fastpersist bench --help`` and the other subcommands build their
 parsers from here without importing the benchmarks (torch.distributed.checkpoint, Lightning,
-matplotlib...): :mod:`fp_core.tools.bench` and :mod:`fp_core.tools.bench_async` are imported
-only when a benchmark runs.
+matplotlib...): :mod:`fp_core.tools.bench`, :mod:`fp_core.tools.bench_async` and
+:mod:`fp_core.tools.bench_dcp` are imported only when a benchmark runs.
 """
 
 from __future__ import annotations
@@ -62,6 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", metavar="ROWS", help=f"comma list of rows: {','.join(ALL_ROWS)}")
     parser.add_argument("--async", dest="run_async", action="store_true",
                         help="run the async training benchmark (step time, blocked time) instead")
+    parser.add_argument("--dcp", dest="run_dcp", action="store_true",
+                        help="run the sharded benchmark instead: torch.distributed.checkpoint's stock writer and "
+                             "reader against FastPersist's on an FSDP2 model with Adam (--ranks processes under "
+                             "torchrun; --width, --layers size it; --repeat rounds)")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks of the --dcp benchmark (default 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the checkpoint's tensors live (default cpu); cuda: state dict / model on "
                              "the GPU, loads with map_location='cuda'")

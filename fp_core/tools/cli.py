@@ -62,6 +62,10 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.run_dcp:
+        from .bench_dcp import run_dcp
+
+        return run_dcp(args, lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.run_async:
         from .bench_async import run_async
 

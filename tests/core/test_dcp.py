@@ -301,3 +301,11 @@ def test_extra_file_names_cannot_escape_or_shadow(tmp_path, name):
     with pytest.raises(ValueError, match="extra file name"):
         FastPersistWriter(str(tmp_path / "ckpt"), extra_files={name: b"x"})
     assert not os.path.exists(tmp_path / "escape")
+
+
+def test_a_small_sharded_state_does_not_hold_the_fence_while_dcp_waits_for_a_late_rank(tmp_path):
+    """Every tensor is small (copied inside save()): rank 0's fence opens at once, though its
+    DCP planning waits 3 s for rank 1 to join."""
+    res = _run_ranks("dcp_fence.py", tmp_path)
+    assert res["held_s"] < 1.5, res
+    assert res["verified"] == 2
