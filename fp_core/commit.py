@@ -497,6 +497,16 @@ def retire_dirs(paths: list[str]) -> None:
         shutil.rmtree(g, ignore_errors=True)
 
 
+def recover_dir(final: str) -> None:
+    """Put the checkpoint directory ``final`` back if a crash fell between
+    :func:`publish_dir`'s two renames (it is aside, and nothing replaced it)."""
+    parent, base = os.path.split(os.path.abspath(final))
+    aside = os.path.join(parent, REPLACED_PREFIX + base)
+    if os.path.isdir(aside) and not os.path.islink(aside) and not os.path.lexists(final):
+        os.rename(aside, final)
+        fsync_dir(parent)
+
+
 def recover_dirs(parent: str, staging_prefixes: tuple[str, ...] = ()) -> None:
     """Undo what a crash left half done in ``parent``: a directory moved aside to be replaced
     goes back if its replacement never arrived; directories being deleted, leftovers of

@@ -271,6 +271,7 @@ class FastPersistWriter(StorageWriter):
             if os.path.lexists(self.path) and not os.path.isdir(self.path):
                 raise NotADirectoryError(20, "a DCP checkpoint is a directory; a file is in the way", self.path)
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            commit.recover_dir(self.path)  # a save killed mid-commit left the previous one aside
             shutil.rmtree(staging_path(self.path), ignore_errors=True)
             os.mkdir(staging_path(self.path))
 
