@@ -72,6 +72,23 @@ def is_sharded(obj: Any) -> bool:
     return False
 
 
+def has_sharded_tensor(obj: Any) -> bool:
+    """Does ``obj`` hold a ``ShardedTensor`` (FSDP1's sharded state; saved by
+    ``dcp.save`` with :class:`fp_core.dcp.FastPersistWriter`, not by a :class:`DcpSave`)?"""
+    kind = _sharded_tensor_type()
+    stack, seen = [obj], 0
+    while kind is not None and stack and seen < 1_000_000:
+        o = stack.pop()
+        seen += 1
+        if isinstance(o, kind):
+            return True
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return False
+
+
 class _Leaf:
     """A tensor of the state: where its bytes are, and how to rebuild it over a copy."""
 
@@ -214,4 +231,4 @@ def _summary(e: BaseException) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["DcpSave", "is_sharded"]
+__all__ = ["DcpSave", "is_sharded", "has_sharded_tensor"]

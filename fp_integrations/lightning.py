@@ -432,12 +432,17 @@ class _FastPersistIOImpl:
         in the background unless the save must block, as :meth:`save_checkpoint`."""
         import torch.distributed as dist
 
+        from fp_core.dcp_save import has_sharded_tensor
+
         t0 = time.perf_counter()
         self._install_hook()
         blocking = not self.async_save or self._must_block()
         # the user's on_commit runs once per checkpoint: where the directory is committed
         on_commit = self._on_commit if not dist.is_initialized() or dist.get_rank() == 0 else self._record
         try:
+            if has_sharded_tensor(state):  # FSDP1: DCP with our writer, here and now
+                self._save_sharded_tensors(state, path, extra_files, on_commit)
+                return
             with self._lock:
                 self._sweep()
                 if blocking and self._ckpt is None:
@@ -458,6 +463,28 @@ class _FastPersistIOImpl:
             self.save_call_seconds.append(time.perf_counter() - t0)
             if len(self.save_call_seconds) > self.keep_stats:
                 del self.save_call_seconds[0]
+
+    def _save_sharded_tensors(self, state: dict[str, Any], path: str, extra_files: dict[str, bytes],
+                              on_commit: Any) -> None:
+        """FSDP1's ``ShardedTensor`` state cannot be snapshotted or rebuilt by the pipeline:
+        after every pending save, ``dcp.save`` with ``FastPersistWriter`` on this thread."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from fp_core.dcp import FastPersistWriter
+        from fp_core.distributed import coordination_group
+
+        if self._ckpt is not None:
+            self._ckpt.wait()
+        t0 = time.perf_counter()
+        writer = FastPersistWriter(path, extra_files=extra_files, **self.engine_options)
+        try:
+            dcp.save(state, storage_writer=writer, process_group=coordination_group(None))
+        except CheckpointException as e:
+            raise CheckpointError(f"sharded checkpoint {path} not written: {e}") from e
+        stats = fp_core.SaveStats(path=path, bytes=int(writer.stats.get("bytes", 0)),
+                                  seconds=time.perf_counter() - t0, backend=str(writer.stats.get("backend", "")))
+        on_commit(path, stats)
 
     def wait_for_path(self, path: str) -> None:
         """Block until no save of ``path`` is pending (raises its failure)."""
