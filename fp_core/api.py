@@ -16,6 +16,7 @@ from . import integrity, loader, paths
 from .engine import EngineOptions
 from .job import SaveJob
 from .local import LocalSave
+from .sharded import is_sharded
 from .stats import SaveStats
 
 
@@ -35,9 +36,9 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
     """
     options = options or EngineOptions()
     is_remote, p = paths.split(path)
-    from .dcp_save import DcpSave, is_sharded
-
     if is_sharded(obj):
+        from .dcp_save import DcpSave
+
         if is_remote:
             raise ValueError(f"sharded checkpoints to a remote URL ({p}) are not supported: save to a local "
                              "directory, then upload it")

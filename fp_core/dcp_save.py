@@ -32,61 +32,11 @@ from .distributed import DEFAULT_TIMEOUT_S, coordination_group
 from .engine import EngineOptions
 from .errors import CheckpointError
 from .plan import FilePlan, StorageExtent, align_up
+from .sharded import dtensor_type, sharded_tensor_type
 from .skeleton import SparseFile
 from .stats import SaveStats
 
 _ALIGN = 4096
-
-
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
-
-
-def _sharded_tensor_type() -> type | None:
-    try:
-        from torch.distributed._shard.sharded_tensor import ShardedTensor
-    except ImportError:  # pragma: no cover
-        return None
-    return ShardedTensor
-
-
-def is_sharded(obj: Any) -> bool:
-    """Does ``obj`` hold a ``DTensor`` or ``ShardedTensor`` (so that only DCP can save it)?"""
-    kinds = tuple(t for t in (_dtensor_type(), _sharded_tensor_type()) if t is not None)
-    if not kinds:
-        return False
-    stack, seen = [obj], 0
-    while stack and seen < 1_000_000:
-        o = stack.pop()
-        seen += 1
-        if isinstance(o, kinds):
-            return True
-        if isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-    return False
-
-
-def has_sharded_tensor(obj: Any) -> bool:
-    """Does ``obj`` hold a ``ShardedTensor`` (FSDP1's sharded state; saved by
-    ``dcp.save`` with :class:`fp_core.dcp.FastPersistWriter`, not by a :class:`DcpSave`)?"""
-    kind = _sharded_tensor_type()
-    stack, seen = [obj], 0
-    while kind is not None and stack and seen < 1_000_000:
-        o = stack.pop()
-        seen += 1
-        if isinstance(o, kind):
-            return True
-        if isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-    return False
 
 
 class _Leaf:
@@ -111,13 +61,13 @@ class _Leaf:
 
 def _capture(obj: Any, leaves: list[_Leaf]) -> Any:
     """A copy of ``obj``'s containers with every tensor replaced by a :class:`_Leaf`."""
-    DTensor = _dtensor_type()
+    DTensor = dtensor_type()
     if DTensor is not None and isinstance(obj, DTensor):
         local = obj.to_local().detach()
         leaf = _Leaf(local if local.is_contiguous() else local.contiguous(), obj)
         leaves.append(leaf)
         return leaf
-    ShardedTensor = _sharded_tensor_type()
+    ShardedTensor = sharded_tensor_type()
     if ShardedTensor is not None and isinstance(obj, ShardedTensor):
         raise CheckpointError("a ShardedTensor (FSDP1's SHARDED_STATE_DICT) cannot be saved by fp_core.save or "
                               "AsyncCheckpointer: use FSDP2 (DTensor state), or dcp.save(state, "
@@ -231,4 +181,4 @@ def _summary(e: BaseException) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["DcpSave", "is_sharded", "has_sharded_tensor"]
+__all__ = ["DcpSave"]

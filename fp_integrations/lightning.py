@@ -432,7 +432,7 @@ class _FastPersistIOImpl:
         in the background unless the save must block, as :meth:`save_checkpoint`."""
         import torch.distributed as dist
 
-        from fp_core.dcp_save import has_sharded_tensor
+        from fp_core.sharded import has_sharded_tensor
 
         t0 = time.perf_counter()
         self._install_hook()

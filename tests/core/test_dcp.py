@@ -367,3 +367,13 @@ def test_a_kill_between_the_commits_two_renames_is_undone_by_the_next_save(tmp_p
     assert_state(got, state(1))
     # (dcp.save with our writer has no failure hook: its staging directory waits for the next save)
     assert sorted(os.listdir(tmp_path)) == [".ckpt.fastpersist-staging", "ckpt"]
+
+
+def test_a_plain_save_does_not_pay_for_the_sharded_path(tmp_path):
+    """Telling sharded state from plain state imports nothing: torch.distributed.tensor
+    (most of a second to import) and DCP stay unimported by fp_core.save of a plain dict."""
+    code = ("import sys, torch, fp_core; fp_core.save({'w': torch.ones(3)}, sys.argv[1]); "
+            "print(sorted(m for m in ('torch.distributed.tensor', 'torch.distributed.checkpoint') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "x.pt")], capture_output=True, text=True,
+                         check=True, cwd=os.path.dirname(os.path.dirname(HELPERS)))
+    assert out.stdout.strip() == "[]"
