@@ -18,7 +18,10 @@ the median start->durable time of a few saves), after 1-2 complete saves. After 
 Modes: sync (1 rank), async (AsyncCheckpointer, overlap/snapshot alternating, rotation keep
 3 via enqueue(os.unlink)), dist-sync and dist-async (2 ranks, gloo on loopback, collective
 saves; the victim is rank 0, rank 1 or both, and the survivor must exit with an error, not
-hang). Core children are forked from a forkserver that has torch/fp_core imported (so a
+hang), dist-dcp (2 ranks, DTensor state through AsyncCheckpointer into a sharded DCP
+directory: it must verify and load whole onto one process; a staging directory left is
+counted, and a directory a kill left aside mid-commit is put back as the next save would,
+and counted). Core children are forked from a forkserver that has torch/fp_core imported (so a
 trial costs the saves, not a 2.5 s interpreter start). Lightning and HF rows run real
 subprocesses.
 
@@ -59,9 +62,10 @@ from fp_core import _native  # noqa: E402
 
 TMP_SUFFIX = ".fptmp"
 DEFAULT_ROOT = "/work/bench-tmp"
-CORE_MODES = ("sync", "async", "dist-sync", "dist-async")
-MIB = {"sync": 16, "async": 16, "dist-sync": 16, "dist-async": 16}
-WEIGHTS = {"sync": 0.3, "async": 0.3, "dist-sync": 0.2, "dist-async": 0.2}
+CORE_MODES = ("sync", "async", "dist-sync", "dist-async", "dist-dcp")
+MIB = {"sync": 16, "async": 16, "dist-sync": 16, "dist-async": 16, "dist-dcp": 16}
+WEIGHTS = {"sync": 0.3, "async": 0.3, "dist-sync": 0.2, "dist-async": 0.2, "dist-dcp": 0.2}
+DCP_LEFTOVERS = (".ckpt.fastpersist-staging", ".fastpersist-replaced-ckpt")  # a killed sharded save's
 CLI = [sys.executable, "-m", "fp_core.tools.cli"]
 
 
@@ -72,6 +76,15 @@ def log(msg: str) -> None:
 def temps(d: str) -> list[str]:
     try:
         return sorted(n for n in os.listdir(d) if n.startswith(".") and n.endswith(TMP_SUFFIX))
+    except FileNotFoundError:
+        return []
+
+
+def dcp_leftovers(d: str) -> list[str]:
+    """What a killed sharded save leaves: its staging directory (removed by the next save,
+    which reuses the name) or the previous directory moved aside mid-commit."""
+    try:
+        return sorted(n for n in os.listdir(d) if n in DCP_LEFTOVERS)
     except FileNotFoundError:
         return []
 
@@ -186,8 +199,11 @@ def calibrate(mode: str, root: str) -> float:
 
 
 def load_and_check(path: str) -> int:
-    """torch.load + fp_core.verify + whole-generation check; returns the generation."""
+    """torch.load + fp_core.verify + whole-generation check; returns the generation (a
+    sharded directory: fp_core.verify, then a verified load onto one process)."""
     fp_core.verify(path)
+    if os.path.isdir(path):
+        return crash_child.check_state(crash_child.load_dcp_dir(path, MIB["dist-dcp"]))
     obj = torch.load(path, weights_only=True)
     g = crash_child.check_state(obj)
     obj2 = fp_core.load(path, verify=True)
@@ -215,8 +231,10 @@ def check_core_dir(mode: str, d: str, started: set[int], durable_now: int | None
         if mode == "async":
             if f"step-{durable_now}.pt" not in found:
                 problems.append(f"step-{durable_now}.pt was reported durable and is missing")
-        elif "ckpt.pt" not in found or found["ckpt.pt"] < durable_now:
-            problems.append(f"ckpt.pt holds {found.get('ckpt.pt')}, older than durable generation {durable_now}")
+        else:
+            name = "ckpt" if mode == "dist-dcp" else "ckpt.pt"
+            if name not in found or found[name] < durable_now:
+                problems.append(f"{name} holds {found.get(name)}, older than durable generation {durable_now}")
     return {"finals": found, "problems": problems}
 
 
@@ -280,6 +298,12 @@ def core_trials(mode: str, n: int, root: str, rng: random.Random, T: float) -> d
         started |= S
         if max(S) not in D:
             res["mid_save_kills"] += 1
+        if mode == "dist-dcp":
+            left = dcp_leftovers(d)
+            res["staging_dirs_left"] = res.get("staging_dirs_left", 0) + left.count(DCP_LEFTOVERS[0])
+            if DCP_LEFTOVERS[1] in left:  # killed between the commit's two renames
+                res["aside_restored"] = res.get("aside_restored", 0) + 1
+                fp_core.commit.recover_dir(os.path.join(d, "ckpt"))  # what the next save does first
         chk = check_core_dir(mode, d, started, max(D) if D else None)
         res["trials"] += 1
         if chk["problems"]:
@@ -293,7 +317,7 @@ def core_trials(mode: str, n: int, root: str, rng: random.Random, T: float) -> d
         orphans = temps(d)
         pids = [str(c.proc.pid) for c in kids]
         for o in orphans:
-            if not any(f"-{p}-" in o for p in pids):
+            if o.endswith(TMP_SUFFIX) and not any(f"-{p}-" in o for p in pids):
                 res["problems"].append(f"trial {i}: temp file {o} names no dead writer of this trial")
         res["temps_left"] += len(orphans)
         prev_orphans = orphans

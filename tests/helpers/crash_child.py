@@ -17,6 +17,9 @@ Modes (``run(mode, directory, conn, **kw)`` in a forked process, or the CLI belo
                  via ``ckpt.enqueue(os.unlink, old)``.
 * ``dist-sync``  2 ranks over gloo: ``fp_core.save(state(g), DIR/ckpt.pt, group=WORLD)``.
 * ``dist-async`` 2 ranks: ``AsyncCheckpointer(group=WORLD)`` saving ``DIR/ckpt.pt``.
+* ``dist-dcp``   2 ranks: the same state as DTensors sharded over both ranks (``w``, ``m``
+                 split in two, the rest replicated), saved by ``AsyncCheckpointer`` into the
+                 sharded checkpoint directory ``DIR/ckpt`` (DCP with FastPersistWriter).
 
 CLI (heavier integrations, run as plain subprocesses; progress lines on stdout)::
 
@@ -67,6 +70,37 @@ def check_state(obj: dict) -> int:
     return g
 
 
+def dtensor_state(gen: int, mib: int, buf: dict | None, mesh) -> tuple[dict, dict]:
+    """:func:`state` with its tensors as DTensors over ``mesh`` (``w``, ``m`` sharded on dim
+    0, ``b``, ``i`` replicated); ``buf`` holds the DTensors, refilled in place."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if buf is None:
+        plain = state(gen, mib)
+        buf = {"w": distribute_tensor(plain["model"]["w"], mesh, [Shard(0)]),
+               "m": distribute_tensor(plain["optim"]["exp_avg"], mesh, [Shard(0)]),
+               "b": distribute_tensor(plain["model"]["b"], mesh, [Replicate()]),
+               "i": distribute_tensor(plain["optim"]["step"], mesh, [Replicate()])}
+    buf["w"].to_local().fill_(float(gen))
+    buf["m"].to_local().fill_(-float(gen))
+    buf["b"].to_local().fill_(gen + 0.5)
+    buf["i"].to_local().fill_(gen)
+    return {"gen": gen, "model": {"w": buf["w"], "b": buf["b"]}, "optim": {"exp_avg": buf["m"], "step": buf["i"]},
+            "tail": [gen] * 3}, buf
+
+
+def load_dcp_dir(path: str, mib: int) -> dict:
+    """A sharded crash checkpoint directory loaded whole into one process (verifying every item)."""
+    import torch.distributed.checkpoint as dcp
+
+    from fp_core.dcp import FastPersistReader
+
+    out = state(-1, mib)
+    out["gen"], out["tail"] = None, None
+    dcp.load(out, storage_reader=FastPersistReader(path, verify=True), no_dist=True)
+    return out
+
+
 def _send(conn, *msg) -> None:
     if conn is None:
         sys.stdout.write(" ".join(str(x) for x in msg) + "\n")
@@ -108,6 +142,19 @@ def run(mode: str, directory: str, conn=None, mib: int = 16, policy: str = "over
                     fp_core.save(obj, path, group=group)
                 fp_core.commit.wait_for_clean()  # leftovers of a killed run are gone by the first "D"
                 _send(conn, "D", gen, time.monotonic())
+        elif mode == "dist-dcp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))
+            ckpt = fp_core.AsyncCheckpointer(policy=policy)
+            path = os.path.join(directory, "ckpt")
+            gen = gen0
+            while True:
+                gen += 1
+                ckpt.fence()
+                obj, buf = dtensor_state(gen, mib, buf, mesh)
+                _send(conn, "S", gen, time.monotonic())
+                ckpt.save(obj, path, on_commit=lambda _p, _st, g=gen: _durable(conn, g))
         elif mode in ("async", "dist-async"):
             ckpt = fp_core.AsyncCheckpointer(policy=policy, group=group)
             gen = gen0
