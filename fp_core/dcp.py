@@ -146,7 +146,8 @@ def _own_storage(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in a tensor whose storage is exactly its bytes. A contiguous CPU view
     (FSDP2's shards are views into a padded buffer) keeps its memory: its bytes are wrapped
     as a storage of their own (through numpy), not copied; anything else is copied."""
-    if t.device.type == "cpu" and t.is_contiguous() and t.numel() and not t.is_quantized:
+    if (t.device.type == "cpu" and t.is_contiguous() and t.numel() and not t.is_quantized
+            and not t.is_conj() and not t.is_neg()):
         raw = t.reshape(-1).view(torch.uint8).numpy()  # shares t's memory, exactly its bytes
         return torch.from_numpy(raw).view(t.dtype).view(t.shape)
     return t.contiguous().clone()
@@ -359,6 +360,20 @@ def _write_bytes(path: str, data: bytes) -> None:
         os.close(fd)
 
 
+def _read_regular(path: str, limit: int) -> bytes:
+    """A regular file's first ``limit`` bytes, never through a symlink or from a FIFO."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(21, "not a regular file", path)
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
+
+
 def _read_small(path: str, limit: int = 64 << 20) -> bytes:
     with open(path, "rb") as f:
         return f.read(limit)
@@ -532,10 +547,16 @@ def _extra_files(d: str) -> dict[str, int]:
     except (ValueError, UnicodeDecodeError, RecursionError, TypeError, AttributeError) as e:
         raise CorruptCheckpointError(path, DIR_MANIFEST, f"extra_files does not parse: {type(e).__name__}: {e}") \
             from None
-    for name in table:
-        if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or "\0" in name:
-            raise CorruptCheckpointError(path, DIR_MANIFEST, f"extra file name {name!r}")
+    try:
+        check_extra_files({name: b"" for name in table})
+    except ValueError as e:
+        raise CorruptCheckpointError(path, DIR_MANIFEST, str(e)) from None
     return table
+
+
+# torch's dtypes by the names the manifest uses: a name from a file is looked up here, never
+# with getattr on the torch module (which imports submodules by name).
+_DTYPES = {str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def _uints(v: Any, n: int | None) -> bool:
@@ -550,16 +571,16 @@ def _data_fields(data_file: str, it: dict) -> dict:
         return {}
     data, crc, dtype, shape = it.get("data"), it.get("data_crc32c"), it.get("dtype"), it.get("shape")
     ok = (_uints(data, 2) and _uints(shape, None) and len(shape) <= 64 and isinstance(dtype, str)
-          and isinstance(getattr(torch, dtype, None), torch.dtype) and isinstance(crc, str) and len(crc) == 8
+          and dtype in _DTYPES and isinstance(crc, str) and len(crc) == 8
           and all(c in "0123456789abcdef" for c in crc))
     if ok:
-        itemsize = getattr(torch, dtype).itemsize
+        itemsize = _DTYPES[dtype].itemsize
         ok = (it["offset"] <= data[0] and data[0] + data[1] <= it["offset"] + it["length"]
               and data[1] == math.prod(shape) * itemsize)
     if not ok:
         raise CorruptCheckpointError(data_file, MANIFEST_SUFFIX, f"item {str(it.get('fqn'))[:80]}: its data fields "
                                      "are malformed")
-    return {"data": tuple(data), "data_crc32c": int(crc, 16), "dtype": getattr(torch, dtype), "shape": tuple(shape)}
+    return {"data": tuple(data), "data_crc32c": int(crc, 16), "dtype": _DTYPES[dtype], "shape": tuple(shape)}
 
 
 def _dir_manifest(d: str) -> dict[str, int]:
@@ -641,9 +662,11 @@ def verify_extra_files(path: str | os.PathLike) -> dict[str, int]:
     for name, want in sorted(_extra_files(d).items()):
         p = os.path.join(d, name)
         try:
-            data = _read_small(p, 1 << 30)
+            data = _read_regular(p, 1 << 30)
         except FileNotFoundError:
             raise CorruptCheckpointError(p, name, "a file of the checkpoint is missing") from None
+        except OSError as e:  # a symlink (ELOOP), a FIFO or a directory where a file belongs
+            raise CorruptCheckpointError(p, name, f"not a regular file: {e.strerror or e}") from None
         if _native.crc32c(data) != want:
             raise CorruptCheckpointError(p, name, f"CRC-32C {_native.crc32c(data):08x}, expected {want:08x}")
         sizes[name] = len(data)

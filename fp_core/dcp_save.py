@@ -53,10 +53,10 @@ class _Leaf:
             t = self.extent.host[: t.nbytes].view(t.dtype).view(t.shape)
         if self.dtensor is None:
             return t
-        from torch.distributed.tensor import DTensor
-
-        d = self.dtensor
-        return DTensor.from_local(t, d.device_mesh, d.placements, run_check=False, shape=d.shape, stride=d.stride())
+        # The constructor, not DTensor.from_local: that moves a local tensor that is not on
+        # the mesh's device onto it (a host copy, or CPU-offloaded state on a CUDA mesh,
+        # would be copied to the GPU, from this thread, onto its current device).
+        return type(self.dtensor)(t, self.dtensor._spec, requires_grad=False)
 
 
 def _capture(obj: Any, leaves: list[_Leaf]) -> Any:
@@ -77,26 +77,37 @@ def _capture(obj: Any, leaves: list[_Leaf]) -> Any:
         leaf = _Leaf(t if t.is_contiguous() else t.contiguous())
         leaves.append(leaf)
         return leaf
+    return _map_containers(obj, lambda v: _capture(v, leaves))
+
+
+def _map_containers(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn`` applied to the values of its dicts, lists and tuples (named tuples
+    and dict subclasses keep their type where it can be rebuilt, else become dict/tuple)."""
     if isinstance(obj, dict):
-        return type(obj)((k, _capture(v, leaves)) for k, v in obj.items()) if type(obj) is not dict \
-            else {k: _capture(v, leaves) for k, v in obj.items()}
+        items = {k: fn(v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:
+            return type(obj)(items)
+        except Exception:  # noqa: BLE001 - a mapping with another constructor (defaultdict...)
+            return items
     if isinstance(obj, list):
-        return [_capture(v, leaves) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_capture(v, leaves) for v in obj)
+        return [fn(v) for v in obj]
+    if isinstance(obj, tuple):
+        values = [fn(v) for v in obj]
+        if hasattr(obj, "_fields"):
+            try:
+                return type(obj)(*values)
+            except Exception:  # noqa: BLE001
+                return tuple(values)
+        return tuple(values)
     return obj
 
 
 def _rebuild(obj: Any) -> Any:
     if isinstance(obj, _Leaf):
         return obj.rebuild()
-    if isinstance(obj, dict):
-        return {k: _rebuild(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_rebuild(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_rebuild(v) for v in obj)
-    return obj
+    return _map_containers(obj, _rebuild)
 
 
 class DcpSave:
@@ -147,14 +158,20 @@ class DcpSave:
         from torch.distributed.checkpoint.api import CheckpointException
 
         t0 = time.perf_counter()
+        try:
+            state = _rebuild(self.state)
+        except Exception as e:  # noqa: BLE001 - this rank still joins, and fails the save in planning
+            state, self.error = {}, self.error or e
         writer = FastPersistWriter(self.final, extra_files=self.extra_files, on_written=on_body_written,
                                    fail_with=self.error, **dataclasses.asdict(self.options))
         try:
-            dcp.save(_rebuild(self.state), storage_writer=writer, process_group=self.cg)
+            dcp.save(state, storage_writer=writer, process_group=self.cg)
         except CheckpointException as e:
             if dist.get_rank(self.cg) == 0:  # every rank is past its writes: DCP's last exchange failed
                 shutil.rmtree(staging_path(self.final), ignore_errors=True)
             raise CheckpointError(f"sharded checkpoint {self.final} not written: {_summary(e)}") from e
+        except Exception as e:  # a collective that broke (a dead rank): gloo's own error
+            raise CheckpointError(f"sharded checkpoint {self.final} not written: {type(e).__name__}: {e}") from e
         finally:
             if on_body_written is not None:
                 on_body_written()

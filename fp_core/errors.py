@@ -22,6 +22,11 @@ class CorruptCheckpointError(CheckpointError):
         what = f"record {record}" + (f" (tensor {tensor})" if tensor else "")
         super().__init__(f"corrupt checkpoint {path}: {what}: {detail}")
 
+    def __reduce__(self) -> tuple:
+        # pickled whole: DCP sends each rank's exception to every rank (the default would
+        # call __init__ with the message alone and raise a TypeError instead)
+        return (type(self), (self.path, self.record, self.detail, self.tensor))
+
 
 class NotAFastPersistCheckpoint(CheckpointError):
     """The file has no FastPersist manifest (it was written by something else)."""

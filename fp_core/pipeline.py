@@ -68,6 +68,7 @@ from .engine import EngineOptions
 from .errors import CheckpointError
 from .job import SaveJob
 from .plan import StorageExtent
+from .sharded import is_sharded
 from .stats import SaveStats
 from .writer import copy_to_host, mark_ready, snapshot_to_host, stage_cpu
 
@@ -77,7 +78,12 @@ POLICIES = ("auto", "overlap", "snapshot")
 
 
 class AsyncCheckpointError(CheckpointError):
-    """A background checkpoint job failed; the original exception is its ``__cause__``."""
+    """A background checkpoint job failed; the original exception is its ``__cause__``.
+
+    Raised by a collective ``save()`` after it queued its own save (the other ranks wait
+    for it): ``handle`` is then that save's handle (else None)."""
+
+    handle: Any = None
 
 
 def _default_snapshot_budget() -> int:
@@ -320,15 +326,20 @@ class AsyncCheckpointer:
         """
         t0 = time.perf_counter()
         self._check_open()
-        self._raise_pending()
-        self._admit()
+        # An earlier failure is raised before a save of this rank alone; a collective save
+        # (the other ranks will wait for this one in it) is queued first, then it is raised
+        # (``AsyncCheckpointError.handle`` is the queued save).
+        collective = (self.group is not None and not local) or is_sharded(obj)
+        if not collective:
+            self._raise_pending()
+        self._admit(raise_pending=not collective)
         # laid out congruent to the tensors' addresses: overlap writes them with no staging copy
         prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
                                group=None if local else self.group, topology=self.topology,
                                timeout_s=self.timeout_s, congruent=True, storage_options=storage_options,
                                keep_local=keep_local, extra_files=extra_files)
         try:
-            return self._enqueue(prepared, on_commit, t0)
+            handle = self._enqueue(prepared, on_commit, t0)
         except BaseException as e:
             if prepared.collective and isinstance(e, Exception):
                 # The other ranks are about to wait for this rank in the collective: it must
@@ -337,6 +348,13 @@ class AsyncCheckpointer:
                 return self._enqueue_job(prepared, "overlap", [], None, on_commit, None, t0)
             prepared.abort()  # nothing of it is queued: its temporary file goes
             raise
+        if collective:
+            try:
+                self._raise_pending()
+            except AsyncCheckpointError as e:
+                e.handle = handle
+                raise
+        return handle
 
     def _enqueue(self, prepared: SaveJob, on_commit: Callable[[str, SaveStats], None] | None,
                  t0: float) -> SaveHandle:
@@ -524,12 +542,13 @@ class AsyncCheckpointer:
                         "writing it with the overlap policy", nbytes, self.snapshot_budget_bytes)
         return "overlap"
 
-    def _admit(self) -> None:
+    def _admit(self, raise_pending: bool = True) -> None:
         limit = self.max_in_flight * (2 if self.when_busy == "queue" else 1)
         with self._cv:
             while len(self._saves) >= limit:
                 self._cv.wait()
-        self._raise_pending()
+        if raise_pending:
+            self._raise_pending()
 
     def _raise_pending(self) -> None:
         with self._cv:

@@ -436,7 +436,10 @@ class _FastPersistIOImpl:
 
         t0 = time.perf_counter()
         self._install_hook()
-        blocking = not self.async_save or self._must_block()
+        name = os.path.basename(path.rstrip("/"))
+        # as save_checkpoint: SLURM requeue saves are durable before the process is killed
+        blocking = not self.async_save or bool(_HPC_NAME.match(name)) or name == _SPAWN_TEMP_NAME \
+            or self._must_block()
         # the user's on_commit runs once per checkpoint: where the directory is committed
         on_commit = self._on_commit if not dist.is_initialized() or dist.get_rank() == 0 else self._record
         try:
@@ -453,7 +456,9 @@ class _FastPersistIOImpl:
                     handle = ckpt.save(state, path, on_commit=on_commit, extra_files=extra_files)
                 except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
                     self.errors.handle(e, "background checkpoint")
-                    handle = ckpt.save(state, path, on_commit=on_commit, extra_files=extra_files)
+                    # a collective save is queued before the earlier failure is raised
+                    handle = getattr(e, "handle", None) or ckpt.save(state, path, on_commit=on_commit,
+                                                                     extra_files=extra_files)
                 self._pending.setdefault(path, []).append(_Pending(handle, None))
             if blocking:
                 handle.result()
@@ -568,7 +573,9 @@ class _FastPersistIOImpl:
                 handle = ckpt.save(checkpoint, path, on_commit=self._on_commit, **remote_kw)
             except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
                 self.errors.handle(e, "background checkpoint")  # raises unless on_error="warn"
-                handle = ckpt.save(checkpoint, path, on_commit=self._on_commit, **remote_kw)
+                # a collective save is queued before the earlier failure is raised
+                handle = getattr(e, "handle", None) or ckpt.save(checkpoint, path, on_commit=self._on_commit,
+                                                                 **remote_kw)
         except BaseException:
             if placeholder is not None:
                 fp_commit.release(path, placeholder)

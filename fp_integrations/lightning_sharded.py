@@ -13,8 +13,13 @@ Those strategies never hand a sharded checkpoint to the ``CheckpointIO``: every 
   ``meta.pt`` is committed inside the directory with it, and the whole directory appears
   under its name at once, checksummed.
 * ``load_checkpoint`` (``ckpt_path=...``): waits for a pending save of that path, then
-  Lightning's own load runs with DCP reads going through ``FastPersistReader`` (with the
-  plugin's ``verify``: every item checked against its checksum, and ``meta.pt`` too).
+  Lightning's own load runs with its DCP reads going through ``FastPersistReader`` (with
+  the plugin's ``verify``: every item checked against its checksum, and ``meta.pt`` too).
+  ``FSDPStrategy`` reads optimizer state with DCP's stock ``FileSystemReader`` itself
+  (unchecked, the layout is the same).
+* A pending sharded save has no placeholder under its name (a directory appears whole):
+  ModelCheckpoint's ``-v1`` counter with a fixed ``filename`` needs
+  :class:`~fp_integrations.lightning.FastPersistModelCheckpoint`, which counts pending saves.
 * ``remove_checkpoint`` is the plugin's: after every pending save.
 * ``teardown`` drains this rank's pending saves (``ModelParallelStrategy`` does not tear
   its ``CheckpointIO`` down).

@@ -121,7 +121,8 @@ def test_a_damaged_item_is_found_and_named(tmp_path):
 
 
 @pytest.mark.parametrize("edit", ["not json", "offset past the end", "overlap", "crc not hex", "data outside its item",
-                                  "data size not the shape's", "dtype not a dtype", "negative shape"])
+                                  "data size not the shape's", "dtype not a dtype", "dtype a torch submodule",
+                                  "negative shape"])
 def test_a_crafted_manifest_is_a_corrupt_checkpoint(tmp_path, edit):
     d = str(tmp_path / "ckpt")
     dcp.save(state(4), storage_writer=FastPersistWriter(d))
@@ -144,6 +145,8 @@ def test_a_crafted_manifest_is_a_corrupt_checkpoint(tmp_path, edit):
                 t["data"][1] += 4
             elif edit == "dtype not a dtype":
                 t["dtype"] = "__class__"
+            elif edit == "dtype a torch submodule":
+                t["dtype"] = "onnx"  # looked up in a table, never imported by name
             else:
                 t["shape"][0] = -1
         raw = json.dumps(doc).encode()
@@ -272,6 +275,53 @@ def test_fsdp2_state_saved_while_training_steps_on(tmp_path, policy):
     assert res["verify"] == {"step0": 3, "step1": 3, "step2": 3}  # two rank files and meta.txt
 
 
+def test_a_rank_that_cannot_rebuild_its_state_fails_the_save_on_every_rank_at_once(tmp_path):
+    """Rank 1 fails before it reaches DCP: it still joins the planning exchange and fails
+    there, so rank 0 learns of it at once (not after the group's 300 s timeout)."""
+    res = _run_ranks("dcp_async.py", tmp_path, "rebuildfail")
+    assert [s.get("equal") for s in res["saves"][:2]] == [True, True]
+    bad = res["saves"][2]
+    assert "step2" in bad["error"] and "rank 1" in bad["error"] and "cannot rebuild" in bad["error"], bad
+    assert bad["seconds"] < 60 and bad["listing"] == ["step0", "step1"]
+
+
+def test_an_earlier_failure_is_raised_after_this_ranks_part_of_a_sharded_save_is_queued(tmp_path):
+    """Rank 0 has a failed job of its own pending: its next (sharded) save is still queued,
+    so rank 1 is not left waiting in the collective; then the failure is raised, carrying
+    the queued save's handle. Every checkpoint is whole."""
+    res = _run_ranks("dcp_async.py", tmp_path, "pendingfail")
+    assert "ZeroDivisionError" in res["raised_after_queueing"]
+    assert all(s == {"equal": True, "meta": True, "changed_since": True} for s in res["saves"]), res["saves"]
+    assert res["verify"] == {"step0": 3, "step1": 3, "step2": 3}
+
+
+def test_a_corrupt_checkpoint_error_crosses_ranks_whole():
+    """DCP sends each rank's exception to every rank by pickle: it must arrive as itself."""
+    import pickle
+
+    e = CorruptCheckpointError("/ckpt/__1_0.distcp", "model.w", "CRC-32C 1, expected 2", tensor="model.w")
+    e2 = pickle.loads(pickle.dumps(e))
+    assert type(e2) is CorruptCheckpointError and str(e2) == str(e)
+    assert (e2.path, e2.record, e2.detail, e2.tensor) == (e.path, e.record, e.detail, e.tensor)
+
+
+def test_the_captured_state_keeps_its_containers():
+    import collections
+
+    from fp_core.dcp_save import _capture, _rebuild
+
+    Pair = collections.namedtuple("Pair", "a b")
+    obj = {"p": Pair(torch.ones(2), 3), "d": collections.defaultdict(list, x=[torch.zeros(3)]),
+           "o": collections.OrderedDict(k=torch.arange(4)), "t": (torch.ones(1), "s")}
+    leaves: list = []
+    got = _rebuild(_capture(obj, leaves))
+    assert len(leaves) == 4
+    assert type(got["p"]) is Pair and torch.equal(got["p"].a, torch.ones(2)) and got["p"].b == 3
+    assert torch.equal(got["d"]["x"][0], torch.zeros(3))
+    assert type(got["o"]) is collections.OrderedDict and torch.equal(got["o"]["k"], torch.arange(4))
+    assert type(got["t"]) is tuple and got["t"][1] == "s"
+
+
 def test_a_rank_failing_a_sharded_save_fails_it_on_every_rank(tmp_path):
     """Rank 1's write fails on the third save: both ranks get the error naming the path and
     rank 1's cause; no directory under its name and no staging directory remain."""
@@ -293,6 +343,16 @@ def test_extra_files_are_committed_with_the_checkpoint_and_checked(tmp_path):
         fp_core.verify(d)
     os.unlink(tmp_path / "ckpt" / "meta.pt")
     with pytest.raises(CorruptCheckpointError, match="meta.pt.*missing"):
+        fp_core.verify(d)
+
+
+def test_an_extra_file_replaced_by_a_symlink_is_corrupt(tmp_path):
+    d = tmp_path / "ckpt"
+    dcp.save(state(3), storage_writer=FastPersistWriter(d, extra_files={"meta.pt": b"meta"}))
+    (tmp_path / "elsewhere").write_bytes(b"meta")
+    os.unlink(d / "meta.pt")
+    os.symlink(tmp_path / "elsewhere", d / "meta.pt")
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
         fp_core.verify(d)
 
 

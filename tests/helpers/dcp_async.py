@@ -1,7 +1,10 @@
 """A rank of the sharded async test: FSDP2 (fully_shard) on the CPU over gloo, its state saved
 by fp_core.AsyncCheckpointer (or fp_core.save) while training steps on.
 
-Usage: python dcp_async.py RANK WORLD PORT DIR POLICY   (POLICY: overlap | snapshot | sync | fail)
+Usage: python dcp_async.py RANK WORLD PORT DIR POLICY
+POLICY: overlap | snapshot | sync, or a failure: fail (rank 1's write fails on the third
+save), rebuildfail (rank 1 cannot rebuild its state for the third save), pendingfail (rank
+0 has an earlier job's failure pending when the second save starts)
 
 Each save is started, then three more training steps run at once (the optimizer hook fences
 before each step). The checkpoint must hold the state at save time: rank 0 writes
@@ -13,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,7 +63,8 @@ def main() -> None:
     m, opt = model(0)
     step(m, opt, 0)
     result: dict = {"saves": []}
-    ckpt = None if policy == "sync" else fp_core.AsyncCheckpointer(policy="overlap" if policy == "fail" else policy)
+    ckpt = None if policy == "sync" else fp_core.AsyncCheckpointer(
+        policy=policy if policy in ("overlap", "snapshot") else "overlap")
     for i in range(3):
         path = os.path.join(d, f"step{i}")
         msd, osd = get_state_dict(m, opt)
@@ -67,20 +72,34 @@ def main() -> None:
         meta = f"meta of save {i}".encode()
         if policy == "fail" and i == 2 and rank == 1:
             fp_core._native.inject_fault("write", errno=5, after_bytes=0)  # rank 1's write fails
+        if policy == "rebuildfail" and i == 2 and rank == 1:
+            import fp_core.dcp_save as dcp_save
+
+            def broken(obj):
+                raise RuntimeError("injected: this rank cannot rebuild its state")
+            dcp_save._rebuild = broken
+        if policy == "pendingfail" and i == 1 and rank == 0:
+            ckpt.enqueue(lambda: 1 / 0).exception()  # an earlier job of rank 0 alone failed
+        t_save = time.monotonic()
         if ckpt is None:
             fp_core.save({"model": msd, "optim": osd}, path, extra_files={"meta.txt": meta})
         else:
-            h = ckpt.save({"model": msd, "optim": osd}, path, extra_files={"meta.txt": meta})
+            try:
+                h = ckpt.save({"model": msd, "optim": osd}, path, extra_files={"meta.txt": meta})
+            except fp_core.AsyncCheckpointError as e:  # the earlier failure, raised after this save is queued
+                result["raised_after_queueing"] = f"{e.__cause__!r}" if e.handle is not None else "no handle"
+                h = e.handle
         try:
             # Training goes on while the checkpoint is written. Not after the save that fails:
             # each rank raises its failure at its next fence, and that may be a different step
             # on each (the ranks' collectives would no longer pair).
-            for k in range(0 if policy == "fail" and i == 2 else 3):
+            for k in range(0 if policy in ("fail", "rebuildfail") and i == 2 else 3):
                 step(m, opt, 10 * i + k + 1)
             if ckpt is not None:
                 h.result()
         except Exception as e:  # noqa: BLE001 - reported to the test
-            result["saves"].append({"error": f"{type(e).__name__}: {e}", "listing": sorted(os.listdir(d))})
+            result["saves"].append({"error": f"{type(e).__name__}: {e}", "listing": sorted(os.listdir(d)),
+                                    "seconds": time.monotonic() - t_save})
             continue
         m2, opt2 = model(1)
         step(m2, opt2, 99)

@@ -26,3 +26,47 @@ def test_lightning_fsdp_sharded_checkpoints_through_fastpersist(tmp_path):
     assert all(n >= 2 for n in res["verified"].values()), res["verified"]  # rank file + meta.pt
     assert res["stats"] == 3
     assert res["restored_equal"] is True
+
+
+_SNAPSHOT_SCRIPT = r"""
+import os, sys, json, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+import fp_core, torch.distributed.checkpoint as dcp
+from fp_core.dcp import FastPersistReader
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+mesh = init_device_mesh("cuda", (1,))
+w = distribute_tensor(torch.randn(8192, 4096, device="cuda"), mesh, [Shard(0)])  # 128 MiB
+expected = w.full_tensor().cpu()
+ckpt = fp_core.AsyncCheckpointer(policy="snapshot")
+torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+base = torch.cuda.memory_allocated()
+h = ckpt.save({"w": w}, os.path.join(sys.argv[1], "ckpt")); ckpt.fence()
+w.to_local().add_(1.0)  # the step after the fence: not in the checkpoint
+h.result(); ckpt.close()
+peak = torch.cuda.max_memory_allocated() - base
+got = {"w": torch.zeros(8192, 4096)}
+dcp.load(got, storage_reader=FastPersistReader(os.path.join(sys.argv[1], "ckpt"), verify=True), no_dist=True)
+print(json.dumps({"peak_extra_mib": peak / 2**20, "equal": bool(torch.equal(got["w"], expected))}))
+dist.destroy_process_group()
+"""
+
+
+def test_a_snapshot_of_device_dtensors_is_written_from_the_host_copy(tmp_path):
+    """The snapshot of a DTensor on a CUDA mesh is rebuilt over its host copy without moving
+    it back to the GPU (DTensor.from_local would copy 128 MiB onto the device, from the
+    writer thread); the checkpoint holds the values at save()."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    repo = os.path.dirname(os.path.dirname(HELPERS))
+    p = subprocess.run([sys.executable, "-c", _SNAPSHOT_SCRIPT, str(tmp_path), repo, port],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["equal"] is True
+    assert res["peak_extra_mib"] < 64, res
