@@ -76,9 +76,14 @@ all data-parallel ranks — through ``fp_core``'s collective save; the other sha
 (``model.safetensors``, scheduler, json) come from the saving rank. ``save_on_each_node``
 with a *shared* filesystem is not supported (two ranks would commit the same directory).
 
-FSDP, DeepSpeed, XLA/TPU, SageMaker MP, models sharded at load time, ``push_to_hub`` and
-Trainer subclasses that override ``_save_checkpoint`` fall back to the stock save, with
-one warning.
+FSDP2 with ``SHARDED_STATE_DICT`` (accelerate's ``fsdp_version=2``): every rank saves its
+shards of the model and optimizer in the background, in accelerate's layout
+(``pytorch_model_fsdp_0/`` and ``optimizer_0/``, DCP directories written by
+``fp_core.dcp.FastPersistWriter``: the stock resume reads them), the small files as
+above, and the directory is committed after every rank's writes; resume verifies every
+item. FSDP1, other FSDP state dict types, PEFT under FSDP, DeepSpeed (its own checkpoint
+engine), XLA/TPU, SageMaker MP, models sharded at load time, ``push_to_hub`` and Trainer
+subclasses that override ``_save_checkpoint`` fall back to the stock save, with one warning.
 
 Errors: ``on_error="raise"`` (default) re-raises a failed checkpoint in the training
 loop (at the save itself, or at the next fence / drain for background failures);
@@ -150,6 +155,9 @@ __all__ = ["FastPersistCallback", "STAGING_PREFIX", "intercept_safetensors_write
            "remote_checkpoints"]
 
 STAGING_PREFIX = ".fastpersist-staging-"
+# accelerate's sharded FSDP checkpoint: DCP directories of {"model": ...} and {"optimizer": ...}
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
+FSDP_OPTIMIZER_DIR = "optimizer_0"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
@@ -201,8 +209,12 @@ def _fallback_reason(trainer: Any) -> str | None:
     args = trainer.args
     if getattr(trainer, "is_deepspeed_enabled", False):
         return "DeepSpeed is enabled"
-    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
-        return "FSDP is enabled"
+    if getattr(trainer, "is_fsdp_xla_enabled", False):
+        return "FSDP on XLA is enabled"
+    if getattr(trainer, "is_fsdp_enabled", False):
+        reason = _fsdp_fallback_reason(trainer)
+        if reason is not None:
+            return reason
     if getattr(trainer, "is_distributed_loading_by_transformers", False):
         return "the model was sharded at load time"
     try:
@@ -220,6 +232,43 @@ def _fallback_reason(trainer: Any) -> str | None:
         if getattr(type(trainer), name, None) is not getattr(Trainer, name, None):
             return f"{type(trainer).__name__} overrides {name}"
     return None
+
+
+def _fsdp_plugin(trainer: Any) -> Any:
+    return getattr(getattr(getattr(trainer, "accelerator", None), "state", None), "fsdp_plugin", None)
+
+
+def _fsdp_fallback_reason(trainer: Any) -> str | None:
+    """FastPersist saves FSDP2's sharded state (SHARDED_STATE_DICT) in accelerate's layout;
+    anything else under FSDP keeps the stock save."""
+    plugin = _fsdp_plugin(trainer)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        return "FSDP1 is enabled (FastPersist saves FSDP2's sharded state)"
+    if "SHARDED_STATE_DICT" not in str(getattr(plugin, "state_dict_type", "")):
+        return f"FSDP with {plugin.state_dict_type} (FastPersist saves SHARDED_STATE_DICT)"
+    if hasattr(getattr(trainer, "model", None), "peft_config"):  # how accelerate tells a PEFT model
+        return "a PEFT model under FSDP (accelerate saves only its adapter)"
+    return None
+
+
+def _fsdp_state(trainer: Any) -> tuple[dict, dict | None]:
+    """The model's and optimizer's sharded (DTensor) state, as accelerate's
+    ``save_fsdp_model`` / ``save_fsdp_optimizer`` take it for SHARDED_STATE_DICT."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    plugin = _fsdp_plugin(trainer)
+    options = StateDictOptions(full_state_dict=False,
+                               cpu_offload=bool(getattr(plugin.state_dict_config, "offload_to_cpu", False)),
+                               broadcast_from_rank0=bool(getattr(plugin.state_dict_config, "rank0_only", False)))
+    model_sd = get_model_state_dict(trainer.model, options=options)
+    optim_sd = None
+    if not trainer.args.save_only_model:
+        optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
+    return model_sd, optim_sd
 
 
 def _find_trainer_on_stack(max_depth: int = 12) -> Trainer | None:
@@ -558,7 +607,16 @@ class FastPersistCallback(TrainerCallback):
             os.makedirs(run_dir, exist_ok=True)
             os.makedirs(staging, exist_ok=True)
             ckptr = self.checkpointer
-            if self._collective() and not args.save_only_model:
+            fsdp = bool(getattr(tr, "is_fsdp_enabled", False))
+            if fsdp:
+                # FSDP2, SHARDED_STATE_DICT: accelerate's layout (stock resume reads it), every
+                # rank its shards, first and in the same order on every rank (collective).
+                model_sd, optim_sd = _fsdp_state(tr)
+                handles.append(ckptr.save({"model": model_sd}, os.path.join(staging, FSDP_MODEL_DIR)))
+                if optim_sd is not None:
+                    handles.append(ckptr.save({"optimizer": optim_sd}, os.path.join(staging, FSDP_OPTIMIZER_DIR)))
+                del model_sd, optim_sd
+            elif self._collective() and not args.save_only_model:
                 # First, on every rank in the same order: the ranks meet in this collective,
                 # and a failure later on one rank must not leave the others waiting in it.
                 # DP ranks hold the same optimizer state: each writes a near-equal byte range
@@ -579,7 +637,7 @@ class FastPersistCallback(TrainerCallback):
 
             # 3. optimizer, scheduler, scaler (async), RNG (tiny; the Trainer's own method)
             if not args.save_only_model:
-                if self._collective():
+                if self._collective() or fsdp:
                     pass  # queued first, above
                 elif args.should_save:
                     handles.append(ckptr.save(tr.optimizer.state_dict(), os.path.join(staging, OPTIMIZER_NAME),
@@ -774,10 +832,18 @@ def verify_checkpoint_dir(path: str) -> int:
     tensor. Returns the number of files checked.
     """
     from fp_core import CorruptCheckpointError, NotAFastPersistCheckpoint, verify
+    from fp_core.dcp import is_checkpoint_dir
 
     checked = 0
     for name in sorted(os.listdir(path)):
         f = os.path.join(path, name)
+        if os.path.isdir(f) and is_checkpoint_dir(f):  # FSDP: a sharded DCP directory we wrote
+            try:
+                checked += verify(f)["files"]
+            except CorruptCheckpointError as e:
+                raise CorruptCheckpointError(e.path, e.record, f"{e.detail}; refusing to resume from {path}",
+                                             tensor=e.tensor) from e
+            continue
         if not os.path.isfile(f):
             continue
         if name.endswith(".safetensors"):
