@@ -40,3 +40,43 @@ def test_fsdp2_sharded_checkpoints_through_fastpersist_resume_exactly(tmp_path):
     # (which verifies every item first) and through the stock Trainer (stock reader)
     assert len(res["losses_a"]) == 4
     assert res["losses_b"] == res["losses_a"] and res["losses_c"] == res["losses_a"]
+
+
+def test_resume_refuses_a_damaged_shard(tmp_path):
+    """verify_checkpoint_dir (the callback's resume check) verifies the DCP directories."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import fp_core
+    from fp_core.dcp import FastPersistWriter
+    from fp_integrations.hf import FSDP_MODEL_DIR, verify_checkpoint_dir
+
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    dcp.save({"model": {"w": torch.randn(256, 256)}}, storage_writer=FastPersistWriter(ckpt / FSDP_MODEL_DIR))
+    assert verify_checkpoint_dir(str(ckpt)) == 1
+    item = next(r for r in fp_core.inspect(ckpt / FSDP_MODEL_DIR) if r["tensor"] == "model.w")
+    with open(ckpt / FSDP_MODEL_DIR / "__0_0.distcp", "r+b") as f:
+        f.seek(item["offset"] + item["size"] // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(fp_core.CorruptCheckpointError, match="model.w.*refusing to resume"):
+        verify_checkpoint_dir(str(ckpt))
+
+
+@pytest.mark.parametrize("version,sd_type,peft,reason", [
+    (1, "StateDictType.SHARDED_STATE_DICT", False, "FSDP1"),
+    (2, "StateDictType.FULL_STATE_DICT", False, "FULL_STATE_DICT"),
+    (2, "StateDictType.SHARDED_STATE_DICT", True, "PEFT"),
+    (2, "StateDictType.SHARDED_STATE_DICT", False, None)])
+def test_what_fsdp_setups_keep_the_stock_save(version, sd_type, peft, reason):
+    from types import SimpleNamespace
+
+    from fp_integrations.hf import _fsdp_fallback_reason
+
+    model = SimpleNamespace(peft_config={}) if peft else SimpleNamespace()
+    plugin = SimpleNamespace(fsdp_version=version, state_dict_type=sd_type)
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), model=model)
+    got = _fsdp_fallback_reason(trainer)
+    assert (got is None) if reason is None else (reason in got), got
