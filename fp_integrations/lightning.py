@@ -153,6 +153,26 @@ def _remove_path(path: str) -> None:
         pass
 
 
+def _copy_sharded_state(obj: Any) -> Any:
+    """``obj`` with every tensor copied; a ``ShardedTensor`` becomes one over copies of its
+    local shards, with the same global metadata (no communication)."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    if isinstance(obj, ShardedTensor):
+        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in obj.local_shards()]
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            shards, obj.metadata(), process_group=obj._process_group)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copy_sharded_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copy_sharded_state(v) for v in obj) if not hasattr(obj, "_fields") \
+            else type(obj)(*(_copy_sharded_state(v) for v in obj))
+    return obj
+
+
 class _Pending:
     __slots__ = ("handle", "placeholder", "call_seconds")
 
@@ -443,8 +463,8 @@ class _FastPersistIOImpl:
         # the user's on_commit runs once per checkpoint: where the directory is committed
         on_commit = self._on_commit if not dist.is_initialized() or dist.get_rank() == 0 else self._record
         try:
-            if has_sharded_tensor(state):  # FSDP1: DCP with our writer, here and now
-                self._save_sharded_tensors(state, path, extra_files, on_commit)
+            if has_sharded_tensor(state):  # FSDP1: DCP's own async save, with our writer
+                self._save_sharded_tensors(state, path, extra_files, on_commit, blocking)
                 return
             with self._lock:
                 self._sweep()
@@ -470,29 +490,51 @@ class _FastPersistIOImpl:
                 del self.save_call_seconds[0]
 
     def _save_sharded_tensors(self, state: dict[str, Any], path: str, extra_files: dict[str, bytes],
-                              on_commit: Any) -> None:
-        """FSDP1's ``ShardedTensor`` state cannot be snapshotted or rebuilt by the pipeline:
-        after every pending save, ``dcp.save`` with ``FastPersistWriter`` on this thread."""
+                              on_commit: Any, blocking: bool) -> None:
+        """FSDP1's ``ShardedTensor`` state: the pipeline cannot rebuild ShardedTensors over
+        its snapshot, and DCP's ``async_save`` cannot stage them (torch 2.13). So this call
+        copies every tensor (the snapshot, the time it holds the caller) and queues
+        ``dcp.save`` of the copy with ``FastPersistWriter`` on the checkpointer's worker,
+        after every earlier save; removals, loads and teardown wait for it."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
         from fp_core.dcp import FastPersistWriter
         from fp_core.distributed import coordination_group
 
-        if self._ckpt is not None:
-            self._ckpt.wait()
+        ckpt = self._checkpointer()
+        group = coordination_group(None)
         t0 = time.perf_counter()
-        writer = FastPersistWriter(path, extra_files=extra_files, **self.engine_options)
-        try:
-            dcp.save(state, storage_writer=writer, process_group=coordination_group(None))
-        except CheckpointException as e:
-            raise CheckpointError(f"sharded checkpoint {path} not written: {e}") from e
-        stats = fp_core.SaveStats(path=path, bytes=int(writer.stats.get("bytes", 0)),
-                                  seconds=time.perf_counter() - t0, backend=str(writer.stats.get("backend", "")))
-        on_commit(path, stats)
+        copy = _copy_sharded_state(state)
+        staged = time.perf_counter() - t0
+
+        def save() -> Any:
+            writer = FastPersistWriter(path, extra_files=extra_files, **self.engine_options)
+            try:
+                dcp.save(copy, storage_writer=writer, process_group=group)
+            except CheckpointException as e:
+                raise CheckpointError(f"sharded checkpoint {path} not written: {e}") from e
+            stats = fp_core.SaveStats(path=path, bytes=int(writer.stats.get("bytes", 0)),
+                                      seconds=time.perf_counter() - t0, backend=str(writer.stats.get("backend", "")),
+                                      policy="snapshot", blocked_seconds=staged)
+            on_commit(path, stats)
+            return stats
+
+        save.__name__ = f"save {path}"  # names the job in errors
+        handle = ckpt.enqueue(save, after=[])  # runs even if an earlier save failed: the peers wait for it
+        self._pending.setdefault(path, []).append(_Pending(handle, None))
+        if blocking:
+            handle.result()
 
     def wait_for_path(self, path: str) -> None:
         """Block until no save of ``path`` is pending (raises its failure)."""
+        with self._lock:
+            jobs = [e.handle for e in self._pending.get(path, [])]
+        for h in jobs:  # FSDP1's saves are jobs, not the pipeline's saves
+            try:
+                h.result()
+            except Exception as e:
+                self.errors.handle(e, f"waiting for checkpoint {path}")
         self._wait_for(path)
 
     # ------------------------------------------------------------------ internals

@@ -93,3 +93,25 @@ def test_only_sharded_strategies_are_routed():
     assert lightning_sharded.sharded_state_key(FSDPStrategy(state_dict_type="sharded")) == "model"
     assert lightning_sharded.sharded_state_key(FSDPStrategy(state_dict_type="full")) is None
     assert lightning_sharded.sharded_state_key(DDPStrategy()) is None
+
+
+def test_fsdp1_sharded_tensor_state_is_saved_in_the_background(tmp_path):
+    """What FSDPStrategy(state_dict_type="sharded") hands over (ShardedTensors; the strategy
+    itself needs a GPU): saved by the plugin through dcp.async_save with FastPersistWriter,
+    queued on its checkpointer; the checkpoint holds the values at save, and verifies."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, "sharded_tensor_plugin.py"), str(r), "2", port,
+                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert res["ranks"] == [{"equal": True, "queued": True}] * 2
+    assert res["verified"] == 3 and res["stats"] == 1 and res["policy"] == ["snapshot"]
