@@ -19,7 +19,8 @@ Modes: sync (1 rank), async (AsyncCheckpointer, overlap/snapshot alternating, ro
 3 via enqueue(os.unlink)), dist-sync and dist-async (2 ranks, gloo on loopback, collective
 saves; the victim is rank 0, rank 1 or both, and the survivor must exit with an error, not
 hang), dist-dcp (2 ranks, DTensor state through AsyncCheckpointer into a sharded DCP
-directory: it must verify and load whole onto one process; a staging directory left is
+directory: it must verify and load whole onto one process, through FastPersist's reader and
+stock DCP's alike; a staging directory left is
 counted, and a directory a kill left aside mid-commit is put back as the next save would,
 and counted). Core children are forked from a forkserver that has torch/fp_core imported (so a
 trial costs the saves, not a 2.5 s interpreter start). Lightning and HF rows run real

@@ -11,7 +11,8 @@ Those strategies never hand a sharded checkpoint to the ``CheckpointIO``: every 
   state becomes an ``fp_core.dcp_save.DcpSave`` job): in the background while training
   runs, fenced before the next optimizer step, blocking where the plugin's saves block;
   ``meta.pt`` is committed inside the directory with it, and the whole directory appears
-  under its name at once, checksummed.
+  under its name at once, checksummed. FSDP1's ``ShardedTensor`` state is copied at save
+  and written by ``dcp.save`` on the plugin's background worker instead.
 * ``load_checkpoint`` (``ckpt_path=...``): waits for a pending save of that path, then
   Lightning's own load runs with its DCP reads going through ``FastPersistReader`` (with
   the plugin's ``verify``: every item checked against its checksum, and ``meta.pt`` too).

@@ -90,15 +90,24 @@ def dtensor_state(gen: int, mib: int, buf: dict | None, mesh) -> tuple[dict, dic
 
 
 def load_dcp_dir(path: str, mib: int) -> dict:
-    """A sharded crash checkpoint directory loaded whole into one process (verifying every item)."""
+    """A sharded crash checkpoint directory loaded whole into one process, by FastPersist's
+    reader (verifying every item) and by stock DCP's; raises unless both read the same."""
     import torch.distributed.checkpoint as dcp
 
     from fp_core.dcp import FastPersistReader
 
-    out = state(-1, mib)
-    out["gen"], out["tail"] = None, None
-    dcp.load(out, storage_reader=FastPersistReader(path, verify=True), no_dist=True)
-    return out
+    got = []
+    for reader in (FastPersistReader(path, verify=True), dcp.FileSystemReader(path)):
+        out = state(-1, mib)
+        out["gen"], out["tail"] = None, None
+        dcp.load(out, storage_reader=reader, no_dist=True)
+        got.append(out)
+    ours, stock = got
+    assert ours["gen"] == stock["gen"] and ours["tail"] == stock["tail"], "stock DCP reads another generation"
+    for part in ("model", "optim"):
+        for k, v in ours[part].items():
+            assert torch.equal(v, stock[part][k]), f"stock DCP reads other bytes for {part}.{k}"
+    return ours
 
 
 def _send(conn, *msg) -> None:
