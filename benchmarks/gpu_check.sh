@@ -15,7 +15,7 @@
 # Phases, most important first:
 #
 #   setup        build the engine if needed; versions, GPU, memory, disk, engine backend
-#   cuda-tests   pytest -m cuda tests/core/test_cuda.py + sharded (Lightning FSDP)   <= 160 s
+#   cuda-tests   pytest -m cuda tests/core/test_cuda.py + sharded (Lightning, HF FSDP) <= 200 s
 #   bench-async  fastpersist bench --async --device cuda: MLP 14 x 8192 float32 with
 #                fused Adam = 940M params, an 11.3 GB checkpoint after every iteration (1 s
 #                steps); rows: no checkpoint, torch.save, DCP async_save, Lightning's
@@ -195,7 +195,7 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)"
 fi
 
 if [ "$HAS_GPU" = 1 ]; then
-    phase cuda-tests 160 30 "$PY" "${PYTEST_ARGS[@]}" -m cuda -q -rfEsxX --durations=10 tests/core/test_cuda.py tests/integrations/test_sharded_cuda.py
+    phase cuda-tests 200 30 "$PY" "${PYTEST_ARGS[@]}" -m cuda -q -rfEsxX --durations=10 tests/core/test_cuda.py tests/integrations/test_sharded_cuda.py
     phase bench-async 200 60 "$PY" -m fp_core.tools.cli "${ASYNC_ARGS[@]}" --json-out "$LOGS/bench-async.json"
     phase bench-sync 90 30 "$PY" -m fp_core.tools.cli "${SYNC_ARGS[@]}" --json-out "$LOGS/bench-sync.json"
     phase lightning 75 30 "$PY" examples/lightning_finetune.py --large --accelerator gpu --steps 4 --dir "$WORK/lightning"

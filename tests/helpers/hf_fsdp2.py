@@ -1,10 +1,11 @@
 """The HF Trainer with FSDP2 (SHARDED_STATE_DICT) on 2 CPU processes, with FastPersistCallback.
 
-Run under torchrun: ``python -m torch.distributed.run --nproc-per-node 2 THIS DIR``.
+Run under torchrun: ``python -m torch.distributed.run --nproc-per-node 2 THIS DIR [cpu|cuda]``.
 
 accelerate enables FSDP only for GPU-like distributed types: on CPU it silently trains
-with DDP. So this script forces its state to MULTI_GPU after TrainingArguments made it
-(gloo stays the backend; FSDP2 itself runs on the CPU). The GPU check runs the real thing.
+with DDP. So on ``cpu`` (default) this script forces its state to MULTI_GPU after
+TrainingArguments made it (gloo stays the backend; FSDP2 itself runs on the CPU); on
+``cuda`` (the GPU check) nothing is forced.
 
 Phases (each a fresh Trainer, tiny GPT-2 built from a config):
 A. 4 steps with FastPersistCallback, a checkpoint every 2 steps;
@@ -34,7 +35,7 @@ class DS(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids.clone()}
 
 
-def run(out: str, callback: bool, resume: str | None = None) -> tuple[list[float], object]:
+def run(out: str, callback: bool, resume: str | None = None, device: str = "cpu") -> tuple[list[float], object]:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -45,12 +46,13 @@ def run(out: str, callback: bool, resume: str | None = None) -> tuple[list[float
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1,
-        use_cpu=True, fsdp="full_shard", report_to=[], save_strategy="steps", dataloader_num_workers=0,
+        use_cpu=device == "cpu", fsdp="full_shard", report_to=[], save_strategy="steps", dataloader_num_workers=0,
         disable_tqdm=True, fsdp_config={"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT",
                                         "transformer_layer_cls_to_wrap": ["GPT2Block"],
                                         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
-    _ = args.device  # accelerate's state now exists (MULTI_CPU, gloo) ...
-    PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU  # ... and now picks FSDP
+    if device == "cpu":
+        _ = args.device  # accelerate's state now exists (MULTI_CPU, gloo) ...
+        PartialState._shared_state["distributed_type"] = DistributedType.MULTI_GPU  # ... and now picks FSDP
     cbs = [FastPersistCallback()] if callback else []
     tr = Trainer(model=model, args=args, train_dataset=DS(), callbacks=cbs)
     assert tr.is_fsdp_enabled, "FSDP did not engage"
@@ -62,13 +64,14 @@ def main() -> None:
     import fp_core
 
     d = sys.argv[1]
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
     rank = int(os.environ.get("RANK", "0"))
-    losses_a, cb = run(os.path.join(d, "a"), callback=True)
+    losses_a, cb = run(os.path.join(d, "a"), callback=True, device=device)
     ckpt2 = os.path.join(d, "a", "checkpoint-2")
     assert cb.fallback_reason is None, cb.fallback_reason
     saves = [(r.step, r.ok) for r in cb.records]
-    losses_b, _ = run(os.path.join(d, "b"), callback=True, resume=ckpt2)
-    losses_c, _ = run(os.path.join(d, "c"), callback=False, resume=ckpt2)
+    losses_b, _ = run(os.path.join(d, "b"), callback=True, resume=ckpt2, device=device)
+    losses_c, _ = run(os.path.join(d, "c"), callback=False, resume=ckpt2, device=device)
     if rank == 0:
         verified = {}
         for name in ("pytorch_model_fsdp_0", "optimizer_0"):

@@ -70,3 +70,23 @@ def test_a_snapshot_of_device_dtensors_is_written_from_the_host_copy(tmp_path):
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["equal"] is True
     assert res["peak_extra_mib"] < 64, res
+
+
+def test_hf_trainer_fsdp2_on_the_gpu_through_fastpersist(tmp_path):
+    """The HF Trainer with FSDP2 (SHARDED_STATE_DICT) on the GPU, nothing forced: one process
+    (the GPU check has one device), accelerate's layout through FastPersistWriter, resumed
+    exactly through the callback and the stock Trainer."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", port,
+                        os.path.join(HELPERS, "hf_fsdp2.py"), str(tmp_path), "cuda"],
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads((tmp_path / "result.json").read_text())
+    assert "pytorch_model_fsdp_0" in res["files"] and "optimizer_0" in res["files"]
+    assert res["verified"] == {"pytorch_model_fsdp_0": 1, "optimizer_0": 1}
+    assert res["saves"] == [[2, True], [4, True]]
+    assert res["losses_b"] == res["losses_a"] and res["losses_c"] == res["losses_a"]
