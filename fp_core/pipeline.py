@@ -68,7 +68,6 @@ from .engine import EngineOptions
 from .errors import CheckpointError
 from .job import SaveJob
 from .plan import StorageExtent
-from .sharded import is_sharded
 from .stats import SaveStats
 from .writer import copy_to_host, mark_ready, snapshot_to_host, stage_cpu
 
@@ -326,18 +325,21 @@ class AsyncCheckpointer:
         """
         t0 = time.perf_counter()
         self._check_open()
-        # An earlier failure is raised before a save of this rank alone; a collective save
-        # (the other ranks will wait for this one in it) is queued first, then it is raised
-        # (``AsyncCheckpointError.handle`` is the queued save).
-        collective = (self.group is not None and not local) or is_sharded(obj)
-        if not collective:
-            self._raise_pending()
-        self._admit(raise_pending=not collective)
+        self._admit()
         # laid out congruent to the tensors' addresses: overlap writes them with no staging copy
         prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
                                group=None if local else self.group, topology=self.topology,
                                timeout_s=self.timeout_s, congruent=True, storage_options=storage_options,
                                keep_local=keep_local, extra_files=extra_files)
+        # An earlier failure is raised before a save of this rank alone is queued; a
+        # collective save (the other ranks will wait for this one in it) is queued first,
+        # then it is raised (``AsyncCheckpointError.handle`` is the queued save).
+        if not prepared.collective:
+            try:
+                self._raise_pending()
+            except BaseException:
+                prepared.abort()
+                raise
         try:
             handle = self._enqueue(prepared, on_commit, t0)
         except BaseException as e:
@@ -348,7 +350,7 @@ class AsyncCheckpointer:
                 return self._enqueue_job(prepared, "overlap", [], None, on_commit, None, t0)
             prepared.abort()  # nothing of it is queued: its temporary file goes
             raise
-        if collective:
+        if prepared.collective:
             try:
                 self._raise_pending()
             except AsyncCheckpointError as e:
@@ -542,13 +544,12 @@ class AsyncCheckpointer:
                         "writing it with the overlap policy", nbytes, self.snapshot_budget_bytes)
         return "overlap"
 
-    def _admit(self, raise_pending: bool = True) -> None:
+    def _admit(self) -> None:
+        """Wait until one more save may be in flight."""
         limit = self.max_in_flight * (2 if self.when_busy == "queue" else 1)
         with self._cv:
             while len(self._saves) >= limit:
                 self._cv.wait()
-        if raise_pending:
-            self._raise_pending()
 
     def _raise_pending(self) -> None:
         with self._cv:
