@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import errno
 import gc
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
@@ -27,6 +29,32 @@ GiB = 1024 * MiB
 
 
 # ---------------------------------------------------------------- file systems
+
+
+def free_port() -> str:
+    """A TCP port on loopback nobody listens on now (for torch.distributed rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run_ranks(script: str, tmp_path, *args: str, world: int = 2, timeout: float = 300) -> dict:
+    """Run ``tests/helpers/<script> RANK WORLD PORT DIR *args`` as ``world`` processes (a
+    hung one is killed after ``timeout``); return the DIR/result.json rank 0 wrote."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, script), str(r), str(world), port,
+                               str(tmp_path), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:  # a hung rank must not outlive the test
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    with open(os.path.join(str(tmp_path), "result.json")) as f:
+        return json.load(f)
 
 
 def fs_type(path: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -13,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import HELPERS
+from conftest import HELPERS, free_port, run_ranks
 
 import fp_core
 from fp_core.dcp import FastPersistReader, FastPersistWriter, staging_path
@@ -203,15 +202,7 @@ def test_inspect_lists_every_item(tmp_path):
 def test_two_ranks_fsdp2_on_cpu(tmp_path):
     """FSDP2 (fully_shard) over gloo: each rank writes its shards; FastPersistReader (verifying)
     and stock DCP load them back into another sharded model."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    script = os.path.join(HELPERS, "dcp_fsdp2.py")
-    procs = [subprocess.Popen([sys.executable, script, str(r), "2", port, str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=240) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
-    res = json.loads((tmp_path / "result.json").read_text())
+    res = run_ranks("dcp_fsdp2.py", tmp_path, timeout=240)
     assert res["loaded_equal"] == {"fastpersist": True, "stock": True}
     assert res["files"] == [".fastpersist-dcp.json", ".metadata", "__0_0.distcp", "__0_0.distcp.fastpersist.json",
                             "__1_0.distcp", "__1_0.distcp.fastpersist.json"]
@@ -245,30 +236,12 @@ def test_a_stock_directory_is_not_called_verified(tmp_path):
         fp_core.verify(d)
 
 
-def _run_ranks(script: str, tmp_path, *args: str, world: int = 2) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, script), str(r), str(world), port,
-                               str(tmp_path), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:  # a hung rank must not outlive the test
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
-    return json.loads((tmp_path / "result.json").read_text())
-
-
 @pytest.mark.parametrize("policy", ["overlap", "snapshot", "sync"])
 def test_fsdp2_state_saved_while_training_steps_on(tmp_path, policy):
     """AsyncCheckpointer (and fp_core.save) take FSDP2 state: every rank writes its shards
     through DCP while three optimizer steps follow each save at once; each checkpoint holds
     the state at save time (the training did change it), its extra file, and verifies."""
-    res = _run_ranks("dcp_async.py", tmp_path, policy)
+    res = run_ranks("dcp_async.py", tmp_path, policy)
     assert len(res["saves"]) == 3
     for s in res["saves"]:
         assert s == {"equal": True, "meta": True, "changed_since": True}, s
@@ -278,7 +251,7 @@ def test_fsdp2_state_saved_while_training_steps_on(tmp_path, policy):
 def test_a_rank_that_cannot_rebuild_its_state_fails_the_save_on_every_rank_at_once(tmp_path):
     """Rank 1 fails before it reaches DCP: it still joins the planning exchange and fails
     there, so rank 0 learns of it at once (not after the group's 300 s timeout)."""
-    res = _run_ranks("dcp_async.py", tmp_path, "rebuildfail")
+    res = run_ranks("dcp_async.py", tmp_path, "rebuildfail")
     assert [s.get("equal") for s in res["saves"][:2]] == [True, True]
     bad = res["saves"][2]
     assert "step2" in bad["error"] and "rank 1" in bad["error"] and "cannot rebuild" in bad["error"], bad
@@ -289,7 +262,7 @@ def test_an_earlier_failure_is_raised_after_this_ranks_part_of_a_sharded_save_is
     """Rank 0 has a failed job of its own pending: its next (sharded) save is still queued,
     so rank 1 is not left waiting in the collective; then the failure is raised, carrying
     the queued save's handle. Every checkpoint is whole."""
-    res = _run_ranks("dcp_async.py", tmp_path, "pendingfail")
+    res = run_ranks("dcp_async.py", tmp_path, "pendingfail")
     assert "ZeroDivisionError" in res["raised_after_queueing"]
     assert all(s == {"equal": True, "meta": True, "changed_since": True} for s in res["saves"]), res["saves"]
     assert res["verify"] == {"step0": 3, "step1": 3, "step2": 3}
@@ -325,7 +298,7 @@ def test_the_captured_state_keeps_its_containers():
 def test_a_rank_failing_a_sharded_save_fails_it_on_every_rank(tmp_path):
     """Rank 1's write fails on the third save: both ranks get the error naming the path and
     rank 1's cause; no directory under its name and no staging directory remain."""
-    res = _run_ranks("dcp_async.py", tmp_path, "fail")
+    res = run_ranks("dcp_async.py", tmp_path, "fail")
     assert [s.get("equal") for s in res["saves"][:2]] == [True, True]
     err = res["saves"][2]["error"]
     assert "step2" in err and "rank 1" in err and "Input/output error" in err, err
@@ -366,7 +339,7 @@ def test_extra_file_names_cannot_escape_or_shadow(tmp_path, name):
 def test_a_small_sharded_state_does_not_hold_the_fence_while_dcp_waits_for_a_late_rank(tmp_path):
     """Every tensor is small (copied inside save()): rank 0's fence opens at once, though its
     DCP planning waits 3 s for rank 1 to join."""
-    res = _run_ranks("dcp_fence.py", tmp_path)
+    res = run_ranks("dcp_fence.py", tmp_path)
     assert res["held_s"] < 1.5, res
     assert res["verified"] == 2
 
@@ -379,9 +352,7 @@ def test_every_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path, del
     import signal
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, "dcp_killed.py"), str(r), "2", port,
                                str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
              for r in range(2)]

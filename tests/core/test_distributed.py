@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import HELPERS, REPO
+from conftest import HELPERS, REPO, free_port
 
 import fp_core
 from fp_core.partition import select_writers, split_range
@@ -32,14 +31,8 @@ def ddir():
     subprocess.run(["rm", "-rf", d], check=False)
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run_ranks(scenario: str, world: int, d: str, timeout: float = 120) -> list[dict]:
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, scenario, str(r), str(world), port, d])
              for r in range(world)]
     deadline = time.monotonic() + timeout

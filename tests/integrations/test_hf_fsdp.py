@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from conftest import HELPERS
+from conftest import HELPERS, free_port
 
 pytest.importorskip("accelerate")
 
 
 def test_fsdp2_sharded_checkpoints_through_fastpersist_resume_exactly(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = free_port()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
                         os.path.join(HELPERS, "hf_fsdp2.py"), str(tmp_path)], capture_output=True, text=True,
                        timeout=300)

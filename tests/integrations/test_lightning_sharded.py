@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import HELPERS
+from conftest import HELPERS, free_port, run_ranks
 
 import fp_core
 from fp_core.dcp import verify_extra_files
@@ -23,9 +22,7 @@ pytest.importorskip("lightning")
 
 
 def _run(tmp_path, mode: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port,
            os.path.join(HELPERS, "lightning_model_parallel.py"), str(tmp_path), mode]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
@@ -99,19 +96,6 @@ def test_fsdp1_sharded_tensor_state_is_saved_in_the_background(tmp_path):
     """What FSDPStrategy(state_dict_type="sharded") hands over (ShardedTensors; the strategy
     itself needs a GPU): saved by the plugin through dcp.async_save with FastPersistWriter,
     queued on its checkpointer; the checkpoint holds the values at save, and verifies."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, "sharded_tensor_plugin.py"), str(r), "2", port,
-                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    try:
-        outs = [p.communicate(timeout=180) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
-    res = json.loads((tmp_path / "result.json").read_text())
+    res = run_ranks("sharded_tensor_plugin.py", tmp_path, timeout=180)
     assert res["ranks"] == [{"equal": True, "queued": True}] * 2
     assert res["verified"] == 3 and res["stats"] == 1 and res["policy"] == ["snapshot"]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import HELPERS
+from conftest import HELPERS, free_port
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -58,11 +58,7 @@ def test_a_snapshot_of_device_dtensors_is_written_from_the_host_copy(tmp_path):
     """The snapshot of a DTensor on a CUDA mesh is rebuilt over its host copy without moving
     it back to the GPU (DTensor.from_local would copy 128 MiB onto the device, from the
     writer thread); the checkpoint holds the values at save()."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = free_port()
     repo = os.path.dirname(os.path.dirname(HELPERS))
     p = subprocess.run([sys.executable, "-c", _SNAPSHOT_SCRIPT, str(tmp_path), repo, port],
                        capture_output=True, text=True, timeout=180)
@@ -76,11 +72,7 @@ def test_hf_trainer_fsdp2_on_the_gpu_through_fastpersist(tmp_path):
     """The HF Trainer with FSDP2 (SHARDED_STATE_DICT) on the GPU, nothing forced: one process
     (the GPU check has one device), accelerate's layout through FastPersistWriter, resumed
     exactly through the callback and the stock Trainer."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = free_port()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", port,
                         os.path.join(HELPERS, "hf_fsdp2.py"), str(tmp_path), "cuda"],
                        capture_output=True, text=True, timeout=240)
