@@ -82,6 +82,17 @@ static void job_fail_locked(job_t *j, int err)
     pthread_cond_broadcast(&j->cv_ready);
 }
 
+/* A slot's write is over (err: how it ended): the slot is free again and the job counts it. */
+static void slot_done_locked(job_t *j, int s, int err)
+{
+    j->free_stack[j->n_free++] = s;
+    if (err)
+        job_fail_locked(j, err);
+    else
+        j->completed++;
+    pthread_cond_signal(&j->cv_slot);
+}
+
 static void wake_owner(job_t *j)
 {
     if (j->efd >= 0) {
@@ -240,12 +251,7 @@ static void *io_main(void *arg)
         inflight_dec_locked(j);
         j->requests += reqs;
         j->short_writes += shorts;
-        j->free_stack[j->n_free++] = s;
-        if (err)
-            job_fail_locked(j, err);
-        else
-            j->completed++;
-        pthread_cond_signal(&j->cv_slot);
+        slot_done_locked(j, s, err);
     }
     pthread_mutex_unlock(&j->mu);
     return NULL;
@@ -394,12 +400,7 @@ static void uring_owner(job_t *j)
                 }
             }
             pthread_mutex_lock(&j->mu);
-            j->free_stack[j->n_free++] = s;
-            if (err)
-                job_fail_locked(j, err);
-            else
-                j->completed++;
-            pthread_cond_signal(&j->cv_slot);
+            slot_done_locked(j, s, err);
             pthread_mutex_unlock(&j->mu);
             if (--inflight == 0)
                 j->io_wait += fp_now() - j->t_busy0;
