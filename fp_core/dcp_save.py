@@ -32,7 +32,7 @@ from .distributed import DEFAULT_TIMEOUT_S, coordination_group
 from .engine import EngineOptions
 from .errors import CheckpointError
 from .plan import FilePlan, StorageExtent, align_up
-from .sharded import dtensor_type, sharded_tensor_type
+from .sharded import dtensor_type, map_containers, sharded_tensor_type
 from .skeleton import SparseFile
 from .stats import SaveStats
 
@@ -77,37 +77,13 @@ def _capture(obj: Any, leaves: list[_Leaf]) -> Any:
         leaf = _Leaf(t if t.is_contiguous() else t.contiguous())
         leaves.append(leaf)
         return leaf
-    return _map_containers(obj, lambda v: _capture(v, leaves))
-
-
-def _map_containers(obj: Any, fn: Any) -> Any:
-    """``obj`` with ``fn`` applied to the values of its dicts, lists and tuples (named tuples
-    and dict subclasses keep their type where it can be rebuilt, else become dict/tuple)."""
-    if isinstance(obj, dict):
-        items = {k: fn(v) for k, v in obj.items()}
-        if type(obj) is dict:
-            return items
-        try:
-            return type(obj)(items)
-        except Exception:  # noqa: BLE001 - a mapping with another constructor (defaultdict...)
-            return items
-    if isinstance(obj, list):
-        return [fn(v) for v in obj]
-    if isinstance(obj, tuple):
-        values = [fn(v) for v in obj]
-        if hasattr(obj, "_fields"):
-            try:
-                return type(obj)(*values)
-            except Exception:  # noqa: BLE001
-                return tuple(values)
-        return tuple(values)
-    return obj
+    return map_containers(obj, lambda v: _capture(v, leaves))
 
 
 def _rebuild(obj: Any) -> Any:
     if isinstance(obj, _Leaf):
         return obj.rebuild()
-    return _map_containers(obj, _rebuild)
+    return map_containers(obj, _rebuild)
 
 
 class DcpSave:

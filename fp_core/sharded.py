@@ -1,10 +1,12 @@
 """Is a state sharded (does it hold DTensors or ShardedTensors)? Asked of every save, so it
 imports nothing: a state can hold a DTensor only once ``torch.distributed.tensor`` is
-imported (importing it costs most of a second), a ShardedTensor only once its module is."""
+imported (importing it costs most of a second), a ShardedTensor only once its module is.
+Also the walk over a state's containers that the sharded paths share (``map_containers``)."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
@@ -35,6 +37,31 @@ def _holds(obj: Any, kinds: tuple[type, ...]) -> bool:
     return False
 
 
+def map_containers(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """``obj`` with ``fn`` applied to the values of its dicts, lists and tuples (named tuples
+    and dict subclasses keep their type where it can be rebuilt, else become dict/tuple)."""
+    if isinstance(obj, dict):
+        items = {k: fn(v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:
+            return type(obj)(items)
+        except Exception:  # noqa: BLE001 - a mapping with another constructor (defaultdict...)
+            return items
+    if isinstance(obj, list):
+        return [fn(v) for v in obj]
+    if isinstance(obj, tuple):
+        values = [fn(v) for v in obj]
+        if hasattr(obj, "_fields"):
+            try:
+                return type(obj)(*values)
+            except Exception:  # noqa: BLE001
+                return tuple(values)
+        return tuple(values)
+    return obj
+
+
+
 def is_sharded(obj: Any) -> bool:
     """Does ``obj`` hold a ``DTensor`` or ``ShardedTensor`` (so that only DCP can save it)?"""
     return _holds(obj, tuple(t for t in (dtensor_type(), sharded_tensor_type()) if t is not None))
@@ -47,4 +74,4 @@ def has_sharded_tensor(obj: Any) -> bool:
     return kind is not None and _holds(obj, (kind,))
 
 
-__all__ = ["is_sharded", "has_sharded_tensor", "dtensor_type", "sharded_tensor_type"]
+__all__ = ["is_sharded", "has_sharded_tensor", "dtensor_type", "sharded_tensor_type", "map_containers"]

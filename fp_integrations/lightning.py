@@ -127,6 +127,7 @@ from fp_core import commit as fp_commit
 from fp_core import paths as fp_paths
 from fp_core import remote as fp_remote
 from fp_core.pipeline import fence_before_update
+from fp_core.sharded import map_containers
 
 from ._policy import ErrorPolicy, FastPersistWarning, checkpointer_options, metrics
 
@@ -165,12 +166,7 @@ def _copy_sharded_state(obj: Any) -> Any:
             shards, obj.metadata(), process_group=obj._process_group)
     if isinstance(obj, torch.Tensor):
         return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _copy_sharded_state(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_copy_sharded_state(v) for v in obj) if not hasattr(obj, "_fields") \
-            else type(obj)(*(_copy_sharded_state(v) for v in obj))
-    return obj
+    return map_containers(obj, _copy_sharded_state)
 
 
 class _Pending:
