@@ -84,6 +84,13 @@ def main() -> None:
                 os.path.join(ckpt2, "pytorch_model_fsdp_0"))), "checkpoints": sorted(
                 n for n in os.listdir(os.path.join(d, "a")) if not n.startswith(".")), "saves": saves,
                 "verified": verified, "losses_a": losses_a, "losses_b": losses_b, "losses_c": losses_c}, f)
+    # Every process group torn down before exit: left to the interpreter's exit, gloo's
+    # destructors can race the other rank's and abort ("terminate called without an active
+    # exception", seen once in 5 runs under CI).
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

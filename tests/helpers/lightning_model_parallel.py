@@ -141,6 +141,9 @@ def main() -> None:
                        "resume_same_as_straight": all(torch.equal(resumed[k], straight[k]) for k in straight),
                        "stock_resume_same": cross_exact,
                        "verified": {n: _verify(os.path.join(ckpts, n)) for n in sorted(os.listdir(ckpts))}}, f)
+    # process groups torn down before exit (gloo's destructors at exit can race the other rank's)
+    t3.strategy.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
