@@ -491,15 +491,55 @@ static int Reader_init(ReaderObject *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
+/* ranges: a sequence of (offset, length) pairs -> a malloc'ed array of 2n ll, or NULL
+ * with an exception set */
+static ll *parse_ranges(PyObject *seq_in, int *n_out)
+{
+    PyObject *seq = PySequence_Fast(seq_in, "ranges must be a sequence of (offset, length) pairs");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > INT_MAX / 2) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many ranges");
+        return NULL;
+    }
+    ll *out = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(ll));
+    if (!out) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_Format(PyExc_TypeError, "range %zd must be an (offset, length) tuple", i);
+            PyMem_Free(out);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (!PyArg_ParseTuple(item, "LL;each range must be an (offset, length) pair of ints", &out[2 * i],
+                              &out[2 * i + 1])) {
+            PyMem_Free(out);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    *n_out = (int)n;
+    return out;
+}
+
 static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"file_offset", "addr", "length", "checksum", "threads", "chunk_bytes", NULL};
+    static char *kwlist[] = {"file_offset", "addr", "length", "checksum", "threads", "chunk_bytes", "ranges", NULL};
     ll off, len;
     unsigned long long addr;
+    PyObject *ranges_obj = Py_None;
     fp_read_options_t o;
     fp_read_options_default(&o);
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "LKL|$piL", kwlist, &off, &addr, &len, &o.checksum, &o.threads,
-                                     &o.chunk_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "LKL|$piLO", kwlist, &off, &addr, &len, &o.checksum, &o.threads,
+                                     &o.chunk_bytes, &ranges_obj))
         return NULL;
     if (self->rd.fd < 0) {
         PyErr_SetString(PyExc_ValueError, "I/O operation on closed Reader");
@@ -508,6 +548,20 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
     if (self->busy) {
         PyErr_SetString(PyExc_RuntimeError, "Reader is in use by another thread");
         return NULL;
+    }
+    ll *ranges = NULL;
+    uint32_t *range_crcs = NULL;
+    if (ranges_obj != Py_None) {
+        ranges = parse_ranges(ranges_obj, &o.n_ranges);
+        if (!ranges)
+            return NULL;
+        range_crcs = PyMem_Calloc((size_t)(o.n_ranges ? o.n_ranges : 1), sizeof(uint32_t));
+        if (!range_crcs) {
+            PyMem_Free(ranges);
+            return PyErr_NoMemory();
+        }
+        o.ranges = ranges;
+        o.range_crcs = range_crcs;
     }
     char msg[FP_MSG_MAX];
     uint32_t crc;
@@ -518,16 +572,32 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
     rc = fp_reader_read(&self->rd, off, addr, len, &o, &crc, &fsize, msg, sizeof msg);
     Py_END_ALLOW_THREADS
     self->busy = 0;
-    if (rc == FP_EOF) {
+    PyObject *result = NULL;
+    if (rc == FP_EOF)
         PyErr_Format(PyExc_EOFError, "%R: read of %lld bytes at offset %lld reaches past end of file (size %lld)",
                      self->path, len, off, fsize);
-        return NULL;
+    else if (rc > 0)
+        raise_io_error(rc, self->path, 0);
+    else if (rc)
+        raise_engine(rc, msg, self->path);
+    else if (!ranges)
+        result = PyLong_FromUnsignedLong(crc);
+    else {
+        PyObject *lst = PyList_New(o.n_ranges);
+        for (int i = 0; lst && i < o.n_ranges; i++) {
+            PyObject *v = PyLong_FromUnsignedLong(range_crcs[i]);
+            if (!v) {
+                Py_CLEAR(lst);
+                break;
+            }
+            PyList_SET_ITEM(lst, i, v);
+        }
+        if (lst)
+            result = Py_BuildValue("(kN)", (unsigned long)crc, lst);
     }
-    if (rc > 0)
-        return raise_io_error(rc, self->path, 0);
-    if (rc)
-        return raise_engine(rc, msg, self->path);
-    return PyLong_FromUnsignedLong(crc);
+    PyMem_Free(ranges);
+    PyMem_Free(range_crcs);
+    return result;
 }
 
 static PyObject *Reader_close(ReaderObject *self, PyObject *unused)
@@ -565,11 +635,13 @@ static PyObject *Reader_get_closed(ReaderObject *self, void *c) { return PyBool_
 
 static PyMethodDef Reader_methods[] = {
     {"read_into", (PyCFunction)(void (*)(void))Reader_read_into, METH_VARARGS | METH_KEYWORDS,
-     "read_into(file_offset, addr, length, *, checksum=False, threads=2, chunk_bytes=4<<20) -> crc\n\n"
+     "read_into(file_offset, addr, length, *, checksum=False, threads=2, chunk_bytes=4<<20, ranges=None) -> crc\n\n"
      "Read [file_offset, file_offset+length) into memory at addr (any alignment).\n"
      "Returns the CRC-32C of the bytes read when checksum, else 0.  EOFError past the end;\n"
      "ValueError when file_offset + length overflows a file offset; OSError(EFAULT) when the\n"
-     "destination is unmapped under a read the kernel makes into it."},
+     "destination is unmapped under a read the kernel makes into it.\n"
+     "ranges: (offset, length) pairs inside the read, sorted and disjoint; then the result\n"
+     "is (crc, [CRC-32C of each range]), each computed on the read threads as its bytes land."},
     {"close", (PyCFunction)Reader_close, METH_NOARGS, "close(); idempotent"},
     {"fileno", (PyCFunction)Reader_fileno, METH_NOARGS, NULL},
     {"__enter__", (PyCFunction)Reader_enter, METH_NOARGS, NULL},

@@ -235,6 +235,12 @@ typedef struct {
     int checksum;   /* compute the CRC-32C of the bytes read */
     int threads;    /* [1, 64] */
     ll chunk_bytes; /* [4096, 1 GiB] */
+    /* Optional: n_ranges (offset, length) pairs inside the read, sorted and disjoint; the
+     * CRC-32C of each lands in range_crcs, computed on the read threads as each chunk
+     * lands (a loader checks every record of a file read whole in one pass). */
+    const ll *ranges;
+    int n_ranges;
+    uint32_t *range_crcs;
 } fp_read_options_t;
 
 void fp_reader_init(fp_reader_t *r);
@@ -244,7 +250,7 @@ void fp_read_options_default(fp_read_options_t *o);
 int fp_reader_open(fp_reader_t *r, const char *path, int direct);
 void fp_reader_close(fp_reader_t *r);
 /* Read [off, off + len) into memory at addr (any alignment).  Returns 0 with *crc (0
- * without checksum); FP_EARG (msg); FP_EOF with *file_size the size found (-1 if
+ * without checksum) and o->range_crcs filled; FP_EARG (msg); FP_EOF with *file_size the size found (-1 if
  * unknown); FP_ENOMEM; or errno (EFAULT: the destination is gone). */
 int fp_reader_read(fp_reader_t *r, ll off, uint64_t addr, ll len, const fp_read_options_t *o, uint32_t *crc,
                    ll *file_size, char *msg, size_t cap);

@@ -27,6 +27,11 @@ typedef struct {
     char *dst;
     int nchunks, next;
     uint32_t *crcs;
+    /* checksummed ranges cut at chunk boundaries: piece i is [pstart[i], pstart[i] +
+     * plen[i]) of range prange[i]; chunk k owns pieces [pfirst[k], pfirst[k + 1]) */
+    ll *pstart, *plen;
+    int *prange, *pfirst;
+    uint32_t *pcrc;
     int err; /* errno, or FP_EOF */
     pthread_mutex_t mu;
 } rjob_t;
@@ -102,6 +107,10 @@ static void *read_main(void *arg)
             }
             rj->crcs[k] = c;
         }
+        if (!err && rj->pfirst) {
+            for (int i = rj->pfirst[k]; i < rj->pfirst[k + 1]; i++)
+                rj->pcrc[i] = fp_crc32c(0, rj->dst + (rj->pstart[i] - rj->off), (size_t)rj->plen[i]);
+        }
         if (err) {
             pthread_mutex_lock(&rj->mu);
             if (!rj->err)
@@ -112,6 +121,78 @@ static void *read_main(void *arg)
     }
     fp_pool_put(&buf);
     return NULL;
+}
+
+static void free_pieces(rjob_t *rj)
+{
+    free(rj->pstart);
+    free(rj->plen);
+    free(rj->prange);
+    free(rj->pfirst);
+    free(rj->pcrc);
+    rj->pstart = rj->plen = NULL;
+    rj->prange = rj->pfirst = NULL;
+    rj->pcrc = NULL;
+}
+
+/* Cut the checksummed ranges at chunk boundaries (both are sorted, so one merge walk). */
+static int cut_ranges(rjob_t *rj, const fp_read_options_t *o, ll end, char *msg, size_t cap)
+{
+    ll prev_end = rj->off;
+    for (int r = 0; r < o->n_ranges; r++) {
+        ll s = o->ranges[2 * r], n = o->ranges[2 * r + 1];
+        if (n < 0 || s < prev_end || s > end || n > end - s) {
+            snprintf(msg, cap, "checksum range %d (offset %lld, length %lld) is not inside the read "
+                     "[%lld, %lld) after the previous range", r, s, n, rj->off, end);
+            return FP_EARG;
+        }
+        prev_end = s + n;
+    }
+    /* a range gives at most one piece per chunk it touches: pieces <= ranges + chunks */
+    ll cap_pieces = (ll)o->n_ranges + rj->nchunks;
+    rj->pstart = malloc((size_t)cap_pieces * sizeof(ll));
+    rj->plen = malloc((size_t)cap_pieces * sizeof(ll));
+    rj->prange = malloc((size_t)cap_pieces * sizeof(int));
+    rj->pcrc = calloc((size_t)cap_pieces, sizeof(uint32_t));
+    rj->pfirst = malloc(((size_t)rj->nchunks + 1) * sizeof(int));
+    if (!rj->pstart || !rj->plen || !rj->prange || !rj->pcrc || !rj->pfirst) {
+        free_pieces(rj);
+        return FP_ENOMEM;
+    }
+    int np = 0, r = 0;
+    ll pos = o->n_ranges ? o->ranges[0] : 0; /* next unassigned byte of range r */
+    for (int k = 0; k < rj->nchunks; k++) {
+        ll cs = rj->base + (ll)k * rj->chunk;
+        ll ce = cs + rj->chunk < rj->aend ? cs + rj->chunk : rj->aend;
+        rj->pfirst[k] = np;
+        while (r < o->n_ranges) {
+            ll rs = o->ranges[2 * r], re = rs + o->ranges[2 * r + 1];
+            if (pos < rs)
+                pos = rs;
+            if (re == rs) { /* empty: its CRC is 0 */
+                r++;
+                continue;
+            }
+            if (pos >= ce)
+                break;
+            ll pe = re < ce ? re : ce;
+            if (pe > pos) {
+                rj->pstart[np] = pos;
+                rj->plen[np] = pe - pos;
+                rj->prange[np] = r;
+                np++;
+            }
+            if (re <= ce) {
+                r++;
+                pos = r < o->n_ranges ? o->ranges[2 * r] : 0;
+            } else {
+                pos = ce;
+                break;
+            }
+        }
+    }
+    rj->pfirst[rj->nchunks] = np;
+    return 0;
 }
 
 void fp_reader_init(fp_reader_t *r)
@@ -125,6 +206,9 @@ void fp_read_options_default(fp_read_options_t *o)
     o->checksum = 0;
     o->threads = 2;
     o->chunk_bytes = 4 << 20;
+    o->ranges = NULL;
+    o->n_ranges = 0;
+    o->range_crcs = NULL;
 }
 
 int fp_reader_open(fp_reader_t *r, const char *path, int direct)
@@ -237,9 +321,16 @@ int fp_reader_read(fp_reader_t *r, ll off, uint64_t addr, ll len, const fp_read_
         return FP_EARG;
     }
     rj.nchunks = (int)nch;
+    if (o->n_ranges > 0) {
+        rc = cut_ranges(&rj, o, end, msg, cap);
+        if (rc)
+            return rc;
+    }
     rj.crcs = calloc(rj.nchunks, sizeof(uint32_t));
-    if (!rj.crcs)
+    if (!rj.crcs) {
+        free_pieces(&rj);
         return FP_ENOMEM;
+    }
     pthread_mutex_init(&rj.mu, NULL);
     int nthr = (len < READ_INLINE_MAX) ? 1 : o->threads;
     if (nthr > rj.nchunks)
@@ -264,10 +355,18 @@ int fp_reader_read(fp_reader_t *r, ll off, uint64_t addr, ll len, const fp_read_
             c = fp_crc32c_combine(c, rj.crcs[k], (uint64_t)(we - ws));
         }
     }
+    if (!rj.err && rj.pfirst) {
+        int npieces = rj.pfirst[rj.nchunks];
+        for (int i = 0; i < npieces; i++) {
+            uint32_t *rc_ = &o->range_crcs[rj.prange[i]];
+            *rc_ = fp_crc32c_combine(*rc_, rj.pcrc[i], (uint64_t)rj.plen[i]);
+        }
+    }
     if (rj.err == FP_EOF && fstat(rj.fd, &st) == 0) /* the file shrank meanwhile */
         *file_size = st.st_size;
     pthread_mutex_destroy(&rj.mu);
     free(rj.crcs);
+    free_pieces(&rj);
     *crc = rj.err ? 0 : c;
     return rj.err;
 }

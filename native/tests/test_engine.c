@@ -370,7 +370,11 @@ static void test_reads(const char *path, const unsigned char *data, ll total)
             ll n = cases[i][1] > 0 ? cases[i][1] : total + 1 + cases[i][1];
             unsigned char *out = xmalloc((size_t)n + 8);
             memset(out, 0, (size_t)n + 8);
-            fp_read_options_t o = {1, 3, cases[i][2]};
+            /* two checksummed ranges: a third at the start, the second half */
+            ll ranges[4] = {off, n / 3, off + n / 2, n - n / 2};
+            uint32_t range_crcs[2] = {0, 0};
+            fp_read_options_t o = {.checksum = 1, .threads = 3, .chunk_bytes = cases[i][2],
+                                   .ranges = ranges, .n_ranges = 2, .range_crcs = range_crcs};
             uint32_t crc;
             ll fsize;
             char msg[FP_MSG_MAX];
@@ -379,6 +383,9 @@ static void test_reads(const char *path, const unsigned char *data, ll total)
             CHECK(memcmp(out + 3, data + off, (size_t)n) == 0, "read (%lld, %lld) direct=%d: bytes", off, n,
                   direct);
             CHECK(crc == fp_crc32c(0, data + off, (size_t)n), "read (%lld, %lld): crc", off, n);
+            for (int k = 0; k < 2; k++)
+                CHECK(range_crcs[k] == fp_crc32c(0, data + ranges[2 * k], (size_t)ranges[2 * k + 1]),
+                      "read (%lld, %lld): crc of range %d", off, n, k);
             CHECK(out[0] == 0 && out[1] == 0 && out[2] == 0 && out[n + 3] == 0, "read wrote outside");
             free(out);
         }
@@ -388,7 +395,7 @@ static void test_reads(const char *path, const unsigned char *data, ll total)
         for (size_t i = 0; i < 3; i++) {
             ll off = offs[i], n = total - off;
             unsigned char *buf = aligned_buf((size_t)(n + 2 * A), (size_t)A);
-            fp_read_options_t o = {1, 2, 256 * KiB};
+            fp_read_options_t o = {.checksum = 1, .threads = 2, .chunk_bytes = 256 * KiB};
             uint32_t crc;
             ll fsize;
             char msg[FP_MSG_MAX];
@@ -839,7 +846,7 @@ static void test_efault(void)
         char *map;
         size_t map_len;
         uint64_t hole = unmapped_hole(n, &map, &map_len);
-        fp_read_options_t o = {0, 2, (ll)n};
+        fp_read_options_t o = {.checksum = 0, .threads = 2, .chunk_bytes = (ll)n};
         uint32_t crc;
         ll fsize;
         int rc = fp_reader_read(&r, 0, hole, (ll)n, &o, &crc, &fsize, msg, sizeof msg);

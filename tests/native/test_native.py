@@ -936,3 +936,34 @@ def test_tmpfile_and_mode_errors_name_the_directory(tmp_path, umask_022):
         pass
     assert stat.S_IMODE(os.stat(d / "m600.bin").st_mode) == 0o600
     assert stat.S_IMODE(os.stat(d / "m-default.bin").st_mode) == 0o644
+
+
+def test_reader_checksums_ranges_as_they_land(tmp_path):
+    """read_into(ranges=...): the CRC-32C of each (offset, length) range, whatever the
+    chunking, the threads, the destination's alignment and where ranges cross chunks."""
+    import random
+
+    data = np.random.default_rng(5).integers(0, 256, size=9 * MiB + 321, dtype=np.uint8)
+    path = str(tmp_path / "ranges.bin")
+    data.tofile(path)
+    rnd = random.Random(7)
+    with _native.Reader(path, direct=True) as r:
+        for _ in range(60):
+            off = rnd.choice([0, 4096, 777, rnd.randrange(0, MiB)])
+            length = rnd.randrange(1, data.nbytes - off)
+            cuts = sorted(rnd.sample(range(off, off + length + 1), min(length + 1, 2 * rnd.randrange(0, 20))))
+            ranges = [(cuts[i], cuts[i + 1] - cuts[i]) for i in range(0, len(cuts) - 1, 2)]
+            buf = np.zeros(length + 8192, dtype=np.uint8)
+            dst = buf.ctypes.data + rnd.choice([0, 64, -off % 4096])
+            crc, crcs = r.read_into(off, dst, length, checksum=True, threads=rnd.choice([1, 2, 4]),
+                                    chunk_bytes=rnd.choice([4096, 256 * 1024, 4 * MiB]), ranges=ranges)
+            assert crc == _native.crc32c(data[off:off + length].tobytes())
+            assert crcs == [_native.crc32c(data[s:s + n].tobytes()) for s, n in ranges]
+        out = np.zeros(8192, dtype=np.uint8)
+        for bad in ([(0, 10), (5, 10)], [(2000, 10)], [(-1, 5)], [(0, -1)]):
+            with pytest.raises(ValueError, match="checksum range"):
+                r.read_into(0, out.ctypes.data, 1000, ranges=bad)
+        for bad in ([1, 2], [(1, 2, 3)], [("a", 1)]):
+            with pytest.raises(TypeError):
+                r.read_into(0, out.ctypes.data, 1000, ranges=bad)
+        assert r.read_into(0, out.ctypes.data, 1000, ranges=[]) == (0, [])
