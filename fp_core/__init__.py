@@ -4,7 +4,7 @@
 ``AsyncCheckpointer`` overlaps the write with training.
 """
 
-from .api import inspect, load, prepare, save, verify
+from .api import inspect, load, load_into, prepare, save, verify
 from .commit import clean
 from .engine import EngineOptions
 from .errors import (
@@ -24,6 +24,7 @@ __all__ = [
     "Handle",
     "SaveHandle",
     "load",
+    "load_into",
     "verify",
     "inspect",
     "clean",

@@ -135,6 +135,22 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     return loader.load(p, map_location=map_location, weights_only=weights_only, verify=verify)
 
 
+def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, weights_only: bool | None = True,
+              storage_options: dict | None = None, keep_local: bool = False) -> Any:
+    """Fill ``target``'s existing tensors from the checkpoint at ``path``, reading each
+    one's bytes straight into its memory (see :func:`fp_core.load_in_place.load_into`); a
+    remote URL is fetched into local staging first."""
+    from .load_in_place import load_into as fill
+
+    is_remote, p = paths.split(path)
+    if is_remote:
+        from . import remote
+
+        with remote.fetch(p, storage_options=storage_options, keep_local=keep_local) as local:
+            return fill(target, local, verify=verify, weights_only=weights_only)
+    return fill(target, p, verify=verify, weights_only=weights_only)
+
+
 def verify(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
     """Check every byte of a checkpoint against its manifest (a remote one on a staged
     copy; a sharded checkpoint directory rank file by rank file, naming the file and the
@@ -162,4 +178,4 @@ def inspect(path: str | os.PathLike) -> list[dict]:
     return integrity.inspect(p)
 
 
-__all__ = ["prepare", "save", "load", "verify", "inspect"]
+__all__ = ["prepare", "save", "load", "load_into", "verify", "inspect"]

@@ -52,12 +52,17 @@ class CheckpointFile:
             os.close(self.fd)
             raise
         self._zip: tuple[list[zipfile.ZipInfo], bytes, int] | None = None
+        # The whole file, once a loader has read it through this descriptor: checks then
+        # read memory instead of making one small cold read per zip header.
+        self.image: memoryview | None = None
 
     def pread(self, off: int, n: int) -> bytes:
         """``n`` bytes at ``off`` (fewer at the end of the file); ``n`` is capped by the size."""
         if off < 0:
             raise CorruptCheckpointError(self.path, STRUCTURE, f"an offset ({off}) before the start of the file")
         n = max(0, min(n, self.size - off))
+        if self.image is not None:
+            return bytes(self.image[off:off + n])
         out = bytearray()
         while len(out) < n:
             chunk = os.pread(self.fd, min(n - len(out), _CHUNK), off + len(out))
@@ -70,6 +75,10 @@ class CheckpointFile:
         """CRC-32C of [off, off + n), read a chunk at a time (memory bounded whatever ``n`` is)."""
         if off < 0 or n < 0:
             raise CorruptCheckpointError(self.path, STRUCTURE, f"a range ({off}, {n} bytes) outside the file")
+        if self.image is not None:
+            if off + n > self.size:
+                raise CorruptCheckpointError(self.path, STRUCTURE, f"file ends at byte {self.size}, before {off + n}")
+            return _native.crc32c(self.image[off:off + n])
         crc, pos = 0, 0
         while pos < n:
             chunk = os.pread(self.fd, min(n - pos, _CHUNK), off + pos)
@@ -167,12 +176,12 @@ class ManifestView:
     entries: list[zipfile.ZipInfo] = field(default_factory=list)
 
 
-def read_manifest(cf: CheckpointFile, check_tail: bool = True) -> ManifestView:
+def read_manifest(cf: CheckpointFile, check_tail: bool = True, check_records: bool = True) -> ManifestView:
     """Locate, check and parse the manifest of ``cf``.
 
     With ``check_tail``, the tail's CRC-32C (zip comment) is checked before the manifest is
-    parsed. The manifest's records must match the zip's central directory exactly: one
-    record per entry, each at its entry's data offset with its entry's size, sorted and
+    parsed. With ``check_records``, the manifest's records must match the zip's central
+    directory and local headers exactly (:func:`check_records_against_zip`): one record per entry, each at its entry's data offset with its entry's size, sorted and
     disjoint, all before the manifest. Raises :class:`NotAFastPersistCheckpoint` for a zip
     without a manifest and without FastPersist's tail mark, :class:`CorruptCheckpointError`
     for everything else that does not fit.
@@ -212,8 +221,18 @@ def read_manifest(cf: CheckpointFile, check_tail: bool = True) -> ManifestView:
         raise CorruptCheckpointError(path, TAIL, f"manifest does not parse: {e}") from None
     if manifest.file_size != cf.size:
         raise CorruptCheckpointError(path, STRUCTURE, f"file is {cf.size} bytes, manifest says {manifest.file_size}")
-    _check_records(cf, manifest, entries, minfo)
-    return ManifestView(path, manifest, minfo.header_offset, entries)
+    view = ManifestView(path, manifest, minfo.header_offset, entries)
+    if check_records:
+        check_records_against_zip(cf, view)
+    return view
+
+
+def check_records_against_zip(cf: CheckpointFile, view: ManifestView) -> None:
+    """The manifest's records against the zip's entries and local headers (see
+    :func:`read_manifest`; a loader that reads the file whole calls it once the bytes are
+    in memory, instead of one cold read per local header)."""
+    minfo = next(i for i in view.entries if i.filename.endswith("/" + RECORD_SUFFIX))
+    _check_records(cf, view.manifest, view.entries, minfo)
 
 
 def _check_records(cf: CheckpointFile, m: Manifest, entries: list[zipfile.ZipInfo], minfo: zipfile.ZipInfo) -> None:

@@ -1,9 +1,10 @@
-"""Fast loading: torch.load itself, fed by a file object whose big reads are native.
+"""Fast loading: ``torch.load`` semantics, the file read at the device's speed.
 
-torch.load asks its file object for each storage with one ``readinto`` of the whole
-record; :class:`FastReader` serves those with parallel O_DIRECT reads (no page cache,
-several reads in flight) and, with ``verify=True``, checks each record's CRC-32C as the
-bytes are copied. Small reads (zip headers, the pickle) go through an ordinary fd.
+A zip checkpoint is read whole in one parallel O_DIRECT read and unpickled by torch
+itself on top of those bytes (:mod:`fp_core.file_image`). Where that is not possible
+(a torch without ``torch.serialization._load(overall_storage=...)``, torch's legacy
+format, TorchScript archives) ``torch.load`` reads through :class:`FastReader`, a file
+object whose storage-sized reads are native and checked against the manifest.
 """
 
 from __future__ import annotations
@@ -15,9 +16,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _native
+from . import _native, file_image
 from .errors import CheckpointError, NotAFastPersistCheckpoint
-from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
+from .integrity import (
+    CheckpointFile,
+    ManifestView,
+    check_crc,
+    check_records_against_zip,
+    check_storages,
+    check_structure,
+    read_manifest,
+)
 
 _NATIVE_MIN = 1 << 20  # reads below this size go through the page cache
 _MAX_HEADER_PAD = 4096  # FastPersist pads local headers to 4 KiB; stock torch.save to 64 B
@@ -146,17 +155,25 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     if verify not in (True, False, "auto"):
         raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
     with CheckpointFile(path) as cf:
+        whole = file_image.AVAILABLE and cf.pread(0, 4) == b"PK\x03\x04"
         view = None
         if verify:
             try:
-                view = read_manifest(cf)
+                # read whole, the records are matched with the zip's headers in memory
+                view = read_manifest(cf, check_records=not whole)
             except NotAFastPersistCheckpoint:
                 if verify is True:
                     raise
+        if whole:
+            obj = file_image.load_image(cf, view, map_location, weights_only)
+            if obj is not NotImplemented:
+                return obj
             if view is not None:
-                # Tail, structure and small records first: a damaged header must not
-                # reach the unpickler. Storages are checked during the load below.
-                check_structure(cf, view)
+                check_records_against_zip(cf, view)
+        if view is not None:
+            # Tail, structure and small records first: a damaged header must not
+            # reach the unpickler. Storages are checked during the load below.
+            check_structure(cf, view)
         with FastReader(cf, view) as f:
             obj = torch.load(f, map_location=map_location, weights_only=weights_only)
             f.check_unread()

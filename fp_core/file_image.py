@@ -1,0 +1,241 @@
+"""A checkpoint read whole into memory, and torch's unpickler building its tensors there.
+
+The file is read into one fresh, page-aligned buffer laid out like the file: O_DIRECT
+straight into it (no staging copy, no page cache, several reads in flight), its pages
+faulted in by a thread running ahead of the reads, and the CRC-32C of every storage record
+computed on the read threads right after its bytes arrive. torch's own unpickler
+(``torch.serialization._load``, the function behind ``torch.load(mmap=True)``) then
+builds every tensor on a slice of that buffer, so storage bytes are read once and never
+copied; loaded CPU tensors share one allocation the size of the file, as those of
+``torch.load(mmap=True)`` share one mapping.
+
+The unpickling waits for the whole read: torch's zip reader reads a local header per
+storage, and those small reads, made from the descriptor while the large reads stream,
+cost more than they would overlap (measured; from memory they cost nothing). The checks
+(the manifest against the zip's headers, the structure) read memory too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import mmap
+import os
+import pickle
+import threading
+import zipfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import _native
+from .errors import CorruptCheckpointError
+from .integrity import CheckpointFile, ManifestView, check_crc, check_records_against_zip, check_structure
+from .manifest import STRUCTURE, RecordInfo
+
+READ_THREADS = 4  # reads in flight: the native reader's own device-limit setting
+_PAGE = mmap.PAGESIZE
+
+
+def _torch_unpickle() -> Any:
+    """``torch.serialization._load`` when it takes ``overall_storage`` (torch >= 2.1), else None."""
+    fn = getattr(torch.serialization, "_load", None)
+    try:
+        return fn if fn is not None and "overall_storage" in inspect.signature(fn).parameters else None
+    except (TypeError, ValueError):
+        return None
+
+
+_UNPICKLE = _torch_unpickle()
+AVAILABLE = _UNPICKLE is not None
+
+
+def resolve_weights_only(weights_only: bool | None) -> bool:
+    """What ``torch.load`` itself would use: its default and its two forcing variables."""
+    not_set = weights_only is None
+    if not_set:
+        default = getattr(torch.serialization, "_default_to_weights_only", None)
+        weights_only = default(None) if default is not None else True
+    truthy = ("1", "y", "yes", "true")
+    if os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in truthy:
+        return True
+    if os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in truthy and not_set:
+        return False
+    return bool(weights_only)
+
+
+class _FaultAhead:
+    """Faults fresh pages in (MADV_POPULATE_WRITE) on a thread of its own, ahead of the
+    reads, which walk the buffer in the same order. One populate call faults a range in
+    far faster than the reads' page-by-page faults, and faults do not run in parallel
+    (a VM serialises them), so one thread running ahead takes them off the reads' path."""
+
+    STEP = 32 << 20
+
+    def __init__(self, addr: int, length: int) -> None:
+        self._addr, self._length = addr, length
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="fastpersist-fault-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for off in range(0, self._length, self.STEP):
+            if self._stopped.is_set():
+                return
+            try:
+                _native.populate(self._addr + off, min(self.STEP, self._length - off))
+            except OSError:
+                return  # the reads fault the pages in themselves
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()  # never outlives the buffer
+
+
+def read_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap:
+    """The file's bytes in a fresh page-aligned buffer (one native read, O_DIRECT straight
+    into it); each of the ``checked`` storage records' CRC-32C is computed on the read
+    threads as its bytes land and compared with its manifest's."""
+    # Private anonymous memory (Python's default for -1 is a shared, shmem-backed mapping).
+    # No MADV_HUGEPAGE: with this kernel's "defrag=madvise", huge-page faults compact
+    # memory and fault slower than 4 KiB pages (benchmarks/README.md, fresh memory).
+    length = max(_PAGE, -(-cf.size // _PAGE) * _PAGE)
+    buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        faulting = _FaultAhead(addr, length)
+        try:
+            with cf.native_reader() as reader:
+                _, crcs = reader.read_into(0, addr, cf.size, threads=READ_THREADS,
+                                           ranges=[(r.offset, r.size) for r in checked])
+        finally:
+            faulting.stop()
+        for r, crc in zip(checked, crcs):
+            check_crc(cf.path, r, crc)
+    except BaseException:
+        buf.close()
+        raise
+    return buf
+
+
+class _MemoryFile(io.RawIOBase):
+    """The file's bytes, already in memory, as the file object torch's zip reader wants."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        if base + offset < 0:
+            raise OSError(22, f"seek to byte {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = max(0, min(len(mv), len(self._data) - self._pos))
+        mv[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+class _RecordSlices:
+    """What torch's unpickler slices each storage from (its ``overall_storage``): the
+    file's buffer, where every slice taken must be, once checked, a storage record's exact
+    offset and size. A pickle that asks for other bytes (a neighbour's, a header's, past the
+    file) is a :class:`CorruptCheckpointError`, never a tensor over them."""
+
+    def __init__(self, path: str, storage: torch.UntypedStorage, size: int) -> None:
+        self._path = path
+        self._storage = storage
+        self._size = size
+        self.taken: list[tuple[int, int]] = []
+
+    def __getitem__(self, key: slice) -> torch.UntypedStorage:
+        start, stop = key.start, key.stop
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= self._size):
+            raise CorruptCheckpointError(self._path, "data.pkl", f"the pickle asks for storage bytes [{start}, "
+                                         f"{stop}) of a {self._size}-byte file")
+        self.taken.append((start, stop - start))
+        return self._storage[start:stop]
+
+    def check(self, records: dict[int, int]) -> None:
+        for start, n in self.taken:
+            if records.get(start) != n:
+                raise CorruptCheckpointError(self._path, "data.pkl", f"the pickle asks for {n} storage bytes at "
+                                             f"byte {start}, where no storage record of that size lies")
+
+
+def _storage_records(cf: CheckpointFile, view: ManifestView | None) -> dict[int, int]:
+    """Data offset -> size of every ``<archive>/data/<key>`` record (checked to lie in the file)."""
+    if view is not None:
+        return {r.offset: r.size for r in view.manifest.records if r.kind == "storage"}
+    out = {}
+    for info in cf.zip_directory()[0]:
+        parts = info.filename.split("/")
+        if len(parts) == 3 and parts[1] == "data" and info.compress_type == zipfile.ZIP_STORED:
+            out[cf.data_offset(info)] = info.file_size
+    return out
+
+
+def _checked_records(cf: CheckpointFile, view: ManifestView) -> list[RecordInfo]:
+    """The storage records to checksum while reading: the manifest's (whose tail CRC held;
+    they are matched against the zip's headers once the bytes are in memory), sorted,
+    disjoint and inside the file, as the native reader needs them."""
+    out = sorted((r for r in view.manifest.records if r.kind == "storage" and r.size), key=lambda r: r.offset)
+    end = 0
+    for r in out:
+        if r.offset < end or r.size < 0 or r.offset + r.size > cf.size:
+            raise CorruptCheckpointError(cf.path, STRUCTURE, f"record {r.name} ({r.size} bytes at byte {r.offset}) "
+                                         "overlaps another or runs past the end of the file")
+        end = r.offset + r.size
+    return out
+
+
+def _unpickle(zf: Any, map_location: Any, weights_only: bool, slices: _RecordSlices, path: str) -> Any:
+    if not weights_only:
+        return _UNPICKLE(zf, map_location, pickle, overall_storage=slices, encoding="utf-8")
+    try:
+        return _UNPICKLE(zf, map_location, torch.serialization._weights_only_unpickler, overall_storage=slices)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"Weights only load failed for {path}: {e}\nLoad with weights_only=False "
+                                     "only if you trust the file's source.") from None
+
+
+def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any, weights_only: bool | None) -> Any:
+    """torch.load of ``cf`` read whole (see the module); ``NotImplemented`` for a TorchScript
+    archive, which ``torch.load`` must handle. With ``view`` (verify), every storage
+    record (on the read threads), the manifest against the zip's headers, the zip
+    structure and the small records (the pickle among them) are checked before anything
+    is unpickled."""
+    wo = resolve_weights_only(weights_only)
+    buf = read_image(cf, _checked_records(cf, view) if view is not None else [])
+    try:
+        cf.image = memoryview(buf)[:cf.size]  # later reads of cf (checks, records' offsets) from memory
+        if view is not None:
+            check_records_against_zip(cf, view)
+            check_structure(cf, view)
+        storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+        slices = _RecordSlices(cf.path, storage, cf.size)
+        with _MemoryFile(cf.image) as f, torch.serialization._open_zipfile_reader(f) as zf:
+            if torch.serialization._is_torchscript_zip(zf):
+                return NotImplemented
+            obj = _unpickle(zf, map_location, wo, slices, cf.path)
+        slices.check(_storage_records(cf, view))
+        return obj
+    finally:
+        if cf.image is not None:
+            cf.image.release()
+            cf.image = None

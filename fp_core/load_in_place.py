@@ -1,0 +1,182 @@
+"""Loading into tensors that already exist: a resume fills the model's and the optimizer's
+own tensors, reading each one's bytes from the file straight into its memory.
+
+The file's structure comes from ``torch.load(map_location="meta")`` (the pickle and the
+zip headers only: every tensor on the meta device, each storage carrying its offset in the
+file); each saved tensor is matched with the target's tensor at the same place (same keys,
+shape and dtype), and the native reader reads its bytes into the target's memory, several
+reads in flight, O_DIRECT straight in where the target is aligned like the file. No fresh
+memory is touched: the target's pages are already there. A target that cannot be filled
+in place (on a device, not contiguous, a view of part of a saved storage) is filled from a
+host copy of its record.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
+from .loader import FastReader
+
+READ_THREADS = 4
+_SPLIT_BYTES = 64 << 20  # one tensor this large is itself read by several threads
+
+
+@dataclass
+class _Fill:
+    key: str
+    target: torch.Tensor
+    offset: int  # of the tensor's bytes in the file
+    nbytes: int
+    record: tuple[int, int]  # (offset, size) of the storage record holding them
+    source: torch.Tensor  # the meta tensor (storage offset, strides) for a copy
+
+
+def _meta_offset(t: torch.Tensor) -> int | None:
+    return getattr(t.untyped_storage(), "_checkpoint_offset", None)
+
+
+def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
+    """The saved structure with each tensor replaced by the target's; the fills to make."""
+    if isinstance(saved, torch.Tensor):
+        if not isinstance(target, torch.Tensor):
+            raise ValueError(f"load_into: {key or 'the object'} is a tensor in the file but "
+                             f"{type(target).__name__} in the target")
+        if saved.shape != target.shape or saved.dtype != target.dtype:
+            raise ValueError(f"load_into: {key or 'the tensor'} is {tuple(saved.shape)} {saved.dtype} in the file, "
+                             f"{tuple(target.shape)} {target.dtype} in the target")
+        off = _meta_offset(saved)
+        if off is None:
+            raise NotImplementedError("this torch does not give a storage's file offset on map_location='meta'")
+        es = saved.element_size()
+        fills.append(_Fill(key, target, off + saved.storage_offset() * es, saved.numel() * es,
+                           (off, saved.untyped_storage().nbytes()), saved))
+        return target
+    if isinstance(saved, Mapping):
+        if not isinstance(target, Mapping):
+            raise ValueError(f"load_into: {key or 'the object'} is a mapping in the file but "
+                             f"{type(target).__name__} in the target")
+        missing = [k for k in saved if k not in target]
+        unexpected = [k for k in target if k not in saved]
+        if missing or unexpected:
+            raise ValueError(f"load_into: keys of {key or 'the object'} differ: in the file only {missing[:5]}, "
+                             f"in the target only {unexpected[:5]}")
+        out = {k: _match(v, target[k], f"{key}.{k}" if key else str(k), fills) for k, v in saved.items()}
+        if type(saved) is dict:
+            return out
+        try:
+            return type(saved)(out)  # an OrderedDict stays one
+        except TypeError:
+            return out
+    if isinstance(saved, (list, tuple)) and not hasattr(saved, "_fields"):
+        if not isinstance(target, (list, tuple)) or len(target) != len(saved):
+            raise ValueError(f"load_into: {key or 'the object'} is a sequence of {len(saved)} in the file, "
+                             f"not so in the target")
+        items = [_match(v, t, f"{key}[{i}]", fills) for i, (v, t) in enumerate(zip(saved, target))]
+        return type(saved)(items)
+    return saved  # numbers, strings, ...: the file's
+
+
+class _Readers(threading.local):
+    reader: Any = None
+
+
+def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
+              weights_only: bool | None = True) -> Any:
+    """Fill ``target`` (a state dict, or nested dicts/lists/tuples of tensors, shaped like
+    the saved object: ``{"model": model.state_dict(), "optim": ...}``) from the checkpoint
+    at ``path``, in place; returns the saved object with the target's tensors in it
+    (numbers, strings and other leaves come from the file).
+
+    Every saved tensor needs a target tensor of the same shape and dtype at the same keys
+    (``ValueError`` naming the first that differs, before any byte is read). With
+    ``verify=True`` every record read is checked against the manifest
+    (:class:`CorruptCheckpointError` naming it; the targets then hold unchecked bytes).
+    """
+    with CheckpointFile(path) as cf:
+        view: ManifestView | None = None
+        if verify:
+            view = read_manifest(cf)
+            check_structure(cf, view)  # the pickle and headers before they are unpickled
+        with FastReader(cf) as f:
+            saved = torch.load(f, map_location="meta", weights_only=weights_only)
+        fills: list[_Fill] = []
+        result = _match(saved, target, "", fills)
+        _read_fills(cf, view, fills)
+    return result
+
+
+def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill]) -> None:
+    records = {r.offset: r for r in view.manifest.records if r.kind == "storage"} if view is not None else {}
+    seen: set[tuple[int, int, int]] = set()
+    direct, copied = [], []
+    for f in fills:
+        if f.offset < 0 or f.offset + f.nbytes > cf.size:
+            raise CheckpointError(f"{cf.path}: tensor {f.key} lies past the end of the file")
+        t = f.target
+        if t.device.type == "cpu" and t.is_contiguous() and f.source.is_contiguous():
+            k = (t.data_ptr(), f.offset, f.nbytes)
+            if k not in seen:  # tied weights: one tensor under two keys
+                seen.add(k)
+                direct.append(f)
+        else:
+            copied.append(f)
+    checked: set[int] = set()
+    local = _Readers()
+    all_readers: list[Any] = []
+    lock = threading.Lock()
+
+    def reader() -> Any:
+        if local.reader is None:
+            local.reader = cf.native_reader()
+            with lock:
+                all_readers.append(local.reader)
+        return local.reader
+
+    def fill(f: _Fill) -> None:
+        whole = (f.offset, f.nbytes) == f.record
+        crc = reader().read_into(f.offset, f.target.data_ptr(), f.nbytes, checksum=whole and view is not None,
+                                 threads=READ_THREADS if f.nbytes >= _SPLIT_BYTES else 1)
+        if whole and f.record[0] in records:
+            check_crc(cf.path, records[f.record[0]], crc)
+            with lock:
+                checked.add(f.record[0])
+
+    def copy(f: _Fill) -> None:
+        off, size = f.record
+        host = torch.empty(size, dtype=torch.uint8)
+        crc = reader().read_into(off, host.data_ptr(), size, checksum=view is not None, threads=READ_THREADS)
+        if off in records:
+            check_crc(cf.path, records[off], crc)
+            with lock:
+                checked.add(off)
+        src = torch.empty(0, dtype=f.source.dtype).set_(host.untyped_storage(), f.source.storage_offset(),
+                                                          f.source.shape, f.source.stride())
+        with torch.no_grad():
+            f.target.copy_(src)
+
+    direct.sort(key=lambda f: f.offset)
+    try:
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="fastpersist-load-into") as pool:
+            for fut in [pool.submit(fill, f) for f in direct]:
+                fut.result()
+        for f in copied:
+            copy(f)
+    finally:
+        for r in all_readers:
+            r.close()
+    if view is not None:  # records only partly read into targets are checked whole here
+        rest = [r for off, r in records.items() if off not in checked]
+        if rest:
+            check_storages(cf, view, rest)
+
+
+__all__ = ["load_into"]

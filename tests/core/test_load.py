@@ -1,0 +1,194 @@
+"""fp_core.load's whole-file read (fp_core.file_image) and fp_core.load_into, on real files."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import zipfile
+
+import pytest
+import torch
+from conftest import assert_identical
+
+import fp_core
+from fp_core import file_image
+from fp_core.errors import CorruptCheckpointError, NotAFastPersistCheckpoint
+
+
+def _state():
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 200, generator=g)
+    return {
+        "w": w,
+        "row": w[7],  # a view: shares w's storage
+        "t": w.t(),  # non-contiguous
+        "half": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "ints": torch.arange(10_000, dtype=torch.int64),
+        "empty": torch.empty(0, 5),
+        "scalar": torch.tensor(2.5),
+        "nested": [{"a": torch.ones(3)}, (torch.zeros(2, 2), 4)],
+        "step": 12,
+        "name": "run",
+    }
+
+
+@pytest.mark.parametrize("writer", ["fastpersist", "torch"])
+@pytest.mark.parametrize("verify", [False, "auto"])
+@pytest.mark.parametrize("map_location", [None, "cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda s, loc: s])
+def test_load_equals_torch_load(disk_dir, writer, verify, map_location):
+    obj = _state()
+    path = os.path.join(disk_dir, "x.pt")
+    (fp_core.save if writer == "fastpersist" else torch.save)(obj, path)
+    want = torch.load(path, weights_only=True, map_location=map_location)
+    got = fp_core.load(path, weights_only=True, verify=verify, map_location=map_location)
+    assert_identical(got, want)
+    assert got["row"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()  # aliasing kept
+
+
+def test_loaded_tensors_are_ordinary_writable_memory(disk_dir):
+    """One buffer under every tensor: writable in place, alive while any tensor is, and
+    never the file's pages (changing a tensor leaves the file as it was)."""
+    path = os.path.join(disk_dir, "x.pt")
+    obj = _state()
+    fp_core.save(obj, path)
+    got = fp_core.load(path, weights_only=True)
+    ints = got["ints"]
+    del got
+    gc.collect()
+    ints.add_(1)
+    assert torch.equal(ints, obj["ints"] + 1)
+    assert torch.equal(fp_core.load(path, weights_only=True, verify=True)["ints"], obj["ints"])
+
+
+def test_map_location_meta_reads_no_bytes(disk_dir):
+    path = os.path.join(disk_dir, "x.pt")
+    fp_core.save(_state(), path)
+    got = fp_core.load(path, weights_only=True, map_location="meta")
+    assert got["w"].device.type == "meta" and got["w"].shape == (300, 200)
+
+
+def test_weights_only_refuses_code_like_torch_load(disk_dir):
+    path = os.path.join(disk_dir, "x.pt")
+    fp_core.save({"f": zipfile.ZipInfo("x")}, path)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        fp_core.load(path, weights_only=True)
+    assert isinstance(fp_core.load(path, weights_only=False)["f"], zipfile.ZipInfo)
+
+
+def test_torch_fallback_reader_still_loads(disk_dir, monkeypatch):
+    """Where torch lacks _load(overall_storage=...), torch.load reads through FastReader."""
+    path = os.path.join(disk_dir, "x.pt")
+    obj = _state()
+    fp_core.save(obj, path)
+    monkeypatch.setattr(file_image, "AVAILABLE", False)
+    assert_identical(fp_core.load(path, weights_only=True, verify=True), obj)
+
+
+def _zip_with(records: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        for name, data in records.items():
+            z.writestr(name, data)
+    return out.getvalue()
+
+
+def _records(path: str) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as z:
+        return {i.filename: z.read(i) for i in z.infolist()}
+
+
+@pytest.mark.parametrize("claimed", [400, 1 << 30])
+def test_pickle_asking_for_other_storage_bytes_is_corrupt(disk_dir, claimed):
+    """A crafted file whose pickle claims more bytes for a storage than its record holds
+    (the neighbours' bytes, or past the file): CorruptCheckpointError naming the pickle,
+    never a tensor over other bytes."""
+    small = os.path.join(disk_dir, "small.pt")
+    torch.save({"a": torch.arange(100, dtype=torch.uint8), "b": torch.full((4000,), 7, dtype=torch.uint8)}, small)
+    recs = _records(small)
+    prefix = next(iter(recs)).split("/")[0]
+    recs[f"{prefix}/data.pkl"] = _meta_pickle(claimed)
+    bad = os.path.join(disk_dir, "bad.pt")
+    with open(bad, "wb") as f:
+        f.write(_zip_with(recs))
+    with pytest.raises(CorruptCheckpointError, match="data.pkl"):
+        fp_core.load(bad, weights_only=True)
+
+
+def _meta_pickle(nbytes: int) -> bytes:
+    """data.pkl of {"a": <uint8 tensor of nbytes>} whose storage is key "0"."""
+    buf = io.BytesIO()
+    with torch.serialization.skip_data():
+        torch.save({"a": torch.empty(nbytes, dtype=torch.uint8)}, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:  # skip_data leaves the data records' CRCs unset
+        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+
+# ---------------------------------------------------------------------------- load_into
+
+
+def _model_state(seed: int):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_load_into_fills_the_existing_tensors_in_place(disk_dir, verify):
+    m, opt = _model_state(0)
+    path = os.path.join(disk_dir, "ckpt.pt")
+    fp_core.save({"model": m.state_dict(), "optim": opt.state_dict(), "epoch": 3, "w_t": m[0].weight.t()}, path)
+    m2, opt2 = _model_state(1)
+    target = {"model": m2.state_dict(), "optim": opt2.state_dict(), "epoch": 0,
+              "w_t": torch.zeros(128, 64).t()}  # non-contiguous: filled through a host copy
+    ptrs = [t.data_ptr() for t in m2.state_dict().values()]
+    out = fp_core.load_into(target, path, verify=verify)
+    assert [t.data_ptr() for t in m2.state_dict().values()] == ptrs
+    assert_identical(m2.state_dict(), m.state_dict())
+    assert_identical(opt2.state_dict(), opt.state_dict())
+    assert out["epoch"] == 3 and out["model"]["0.weight"] is target["model"]["0.weight"]
+    assert torch.equal(target["w_t"], m[0].weight.t())
+
+
+def test_load_into_reads_stock_files_and_refuses_to_verify_them(disk_dir):
+    m, _ = _model_state(0)
+    path = os.path.join(disk_dir, "stock.pt")
+    torch.save(m.state_dict(), path)
+    m2, _ = _model_state(1)
+    fp_core.load_into(m2.state_dict(), path)
+    assert_identical(m2.state_dict(), m.state_dict())
+    with pytest.raises(NotAFastPersistCheckpoint):
+        fp_core.load_into(m2.state_dict(), path, verify=True)
+
+
+def test_load_into_refuses_a_target_of_another_shape_before_reading(disk_dir):
+    m, _ = _model_state(0)
+    path = os.path.join(disk_dir, "ckpt.pt")
+    fp_core.save(m.state_dict(), path)
+    wrong = {k: torch.zeros(v.shape) for k, v in m.state_dict().items()}
+    wrong["2.bias"] = torch.zeros(9)
+    with pytest.raises(ValueError, match=r"2\.bias.*\(8,\).*\(9,\)"):
+        fp_core.load_into(wrong, path)
+    assert all(not t.any() for t in wrong.values())  # nothing read
+    missing = dict(wrong)
+    del missing["2.bias"]
+    with pytest.raises(ValueError, match="in the file only"):
+        fp_core.load_into(missing, path)
+
+
+def test_load_into_verify_names_a_damaged_tensor(disk_dir):
+    m, _ = _model_state(0)
+    path = os.path.join(disk_dir, "ckpt.pt")
+    fp_core.save(m.state_dict(), path)
+    rec = next(r for r in fp_core.inspect(path) if r.get("tensor") == "0.weight")
+    with open(path, "r+b") as f:
+        f.seek(rec["offset"] + 100)
+        b = f.read(1)
+        f.seek(rec["offset"] + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    m2, _ = _model_state(1)
+    with pytest.raises(CorruptCheckpointError, match="0.weight"):
+        fp_core.load_into(m2.state_dict(), path, verify=True)
