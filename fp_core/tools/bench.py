@@ -49,11 +49,14 @@ LABELS = {
     "dcp": "(e) torch.distributed.checkpoint.save (no_dist)",
     "fastpersist": "(f) fp_core.save",
     "load_device": "device limit: native Reader, O_DIRECT",
+    "load_device_fresh": "native Reader into fresh memory (a load's floor)",
     "load_torch": "torch.load (torch.save file)",
     "load_torch_mmap": "torch.load(mmap=True) + touch every page",
     "load_safetensors": "safetensors load_file + touch every page",
     "load_fastpersist": "fp_core.load",
     "load_fastpersist_verify": "fp_core.load(verify=True)",
+    "load_into": "fp_core.load_into(existing state)",
+    "load_into_verify": "fp_core.load_into(existing state, verify=True)",
 }
 
 def fmt_bytes(n: float) -> str:
@@ -348,6 +351,20 @@ def load_device(path: str, buf: np.ndarray, nbytes: int) -> None:
         r.close()
 
 
+def load_device_fresh(path: str, nbytes: int) -> None:
+    """The native reader into memory never touched before, as any load that returns new
+    tensors must use: the reads fault its pages in."""
+    import mmap
+
+    from .. import _native
+    buf = mmap.mmap(-1, -(-nbytes // 4096) * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        with _native.Reader(path, direct=True) as r:
+            r.read_into(0, np.frombuffer(buf, dtype=np.uint8).ctypes.data, nbytes, checksum=False, threads=4)
+    finally:
+        buf.close()
+
+
 def touch_pages(obj: Any) -> Any:
     """Read one byte per 4 KiB page of every CPU tensor, so lazily mapped data is really
     loaded (a device tensor's bytes were copied to it: nothing is left to map in)."""
@@ -438,7 +455,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     keep = {"torch": any(r in only for r in ("load_torch", "load_torch_mmap")),
             "safetensors": "load_safetensors" in only,
             "fastpersist": any(r in only for r in ("load_fastpersist", "load_fastpersist_verify")),
-            "device": "load_device" in only}
+            "device": any(r in only for r in ("load_device", "load_device_fresh"))}
 
     def clear(path: str) -> Callable[[], None]:
         def before() -> None:
@@ -449,7 +466,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     from .. import _native
     align = 4096
     dev_buf = None
-    if "device" in only or "load_device" in only:
+    if "device" in only or keep["device"]:
         probe = _native.Engine(os.path.join(args.dir, ".bench-probe"), create=True, **opts)
         align = max(align, probe.mem_alignment, probe.alignment)
         probe.close()
@@ -497,6 +514,9 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     if "load_device" in only:
         ensure("device", savers["device"])
         loaders["load_device"] = (files["device"], lambda: load_device(files["device"], dev_buf, nbytes))
+    if "load_device_fresh" in only:
+        ensure("device", savers["device"])
+        loaders["load_device_fresh"] = (files["device"], lambda: load_device_fresh(files["device"], nbytes))
     if "load_torch" in only or "load_torch_mmap" in only:
         ensure("torch", savers["torch"])
         loaders["load_torch"] = (files["torch"], lambda: torch.load(files["torch"], weights_only=True,
@@ -514,12 +534,20 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         loaders["load_fastpersist_verify"] = (files["fastpersist"],
                                               lambda: fp_load(files["fastpersist"], weights_only=True, verify=True,
                                                               map_location=map_location))
+    if "load_into" in only or "load_into_verify" in only:
+        from ..api import load_into
+        ensure("fastpersist", savers["fastpersist"])
+        loaders["load_into"] = (files["fastpersist"], lambda: load_into(target["sd"], files["fastpersist"]))
+        loaders["load_into_verify"] = (files["fastpersist"],
+                                       lambda: load_into(target["sd"], files["fastpersist"], verify=True))
     # Loads run without the benchmark's own state dict in memory (a training job loads
     # before it has one) and with the saves' page cache (gigabytes of buffered writes)
     # dropped, so reclaim inside the first loads does not decide the table.
     data.clear()
     savers.clear()
     gc.collect()
+    # what load_into fills: a resumed job's state, built (and so touched) before its load
+    target = {"sd": make_state_dict(args.size, seed=1, device=device)} if "load_into" in loaders else {}
     settle()  # the root fs may be mounted with discard: let deletions finish before timing reads
     drop_all_caches()
     drop_check = None
@@ -594,6 +622,17 @@ def targets(rows: dict[str, Row]) -> list[dict[str, Any]]:
     if ok("load_fastpersist") and ok("load_torch"):
         v = ratio("load_fastpersist", "load_torch")
         out.append({"target": "fp_core.load >= 2 x torch.load (cold)", "value": round(v, 3), "pass": v >= 2.0})
+    for key in ("load_fastpersist", "load_fastpersist_verify", "load_into", "load_into_verify"):
+        if ok(key) and ok("load_device"):
+            v = ratio(key, "load_device")
+            out.append({"target": f"{key} >= 0.9 x load_device", "value": round(v, 3), "pass": v >= 0.9})
+        if key.startswith("load_fastpersist") and ok(key) and ok("load_device_fresh"):
+            v = ratio(key, "load_device_fresh")
+            out.append({"target": f"{key} >= 0.9 x load_device_fresh (fresh memory)", "value": round(v, 3),
+                        "pass": v >= 0.9})
+        if ok(key) and ok("load_torch_mmap"):
+            v = ratio(key, "load_torch_mmap")
+            out.append({"target": f"{key} > load_torch_mmap", "value": round(v, 3), "pass": v > 1.0})
     return out
 
 
@@ -612,7 +651,7 @@ def format_report(res: dict[str, Any]) -> str:
         return f"{paired_ratio(r['seconds'], b['seconds']):.2f}x"
 
     for kind, bases, title in (("save", ("device", "torch"), "Save (durable)"),
-                               ("load", ("load_torch",), "Load (cold page cache)")):
+                               ("load", ("load_device", "load_torch"), "Load (cold page cache)")):
         sel = [r for r in rows if r["kind"] == kind]
         if not sel:
             continue
@@ -650,8 +689,9 @@ def plot(res: dict[str, Any], path: str) -> None:
 
     rows = [r for r in res["rows"] if not r["error"]]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
-    colors = ["#d62728" if r["key"] in ("fastpersist", "load_fastpersist", "load_fastpersist_verify")
-              else "#7f7f7f" if r["key"] in ("device", "load_device") else "#1f77b4" for r in rows]
+    colors = ["#d62728" if r["key"] in ("fastpersist", "load_fastpersist", "load_fastpersist_verify", "load_into",
+                                        "load_into_verify")
+              else "#7f7f7f" if r["key"] in ("device", "load_device", "load_device_fresh") else "#1f77b4" for r in rows]
     y = list(range(len(rows)))[::-1]
     ax.barh(y, [r["gbps"] for r in rows], color=colors)
     ax.set_yticks(y, [("save: " if r["kind"] == "save" else "load: ") + r["label"] for r in rows], fontsize=8)
@@ -680,16 +720,20 @@ def run(args: argparse.Namespace) -> int:
                   f"dir {plan['dir']}" + ("" if plan["device"] == "cpu" or plan["cuda_available"]
                                           else "; no CUDA device here"))
         return 0
-    res = run_sync(args, log)
+    results = []
+    for size in getattr(args, "sizes", None) or [args.size]:
+        one = argparse.Namespace(**{**vars(args), "size": size})
+        results.append(run_sync(one, log))
     if args.plot:
-        plot(res, args.plot)
+        plot(results[-1], args.plot)
         log(f"plot written to {args.plot}")
+    out: Any = results[0] if len(results) == 1 else results
     if getattr(args, "json_out", None):
         with open(args.json_out, "w") as f:
-            json.dump(res, f, indent=2, default=str)
+            json.dump(out, f, indent=2, default=str)
     if args.json:
-        print(json.dumps(res, indent=2, default=str))
+        print(json.dumps(out, indent=2, default=str))
     else:
-        print(format_report(res))
+        print("\n\n".join(format_report(res) for res in results))
     return 0
 

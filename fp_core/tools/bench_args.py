@@ -17,8 +17,8 @@ DEFAULT_SIZE = "1GiB"
 
 # The sync benchmark's rows (fp_core.tools.bench).
 SAVE_ROWS = ("device", "torch", "lightning", "safetensors", "dcp", "fastpersist")
-LOAD_ROWS = ("load_device", "load_torch", "load_torch_mmap", "load_safetensors", "load_fastpersist",
-             "load_fastpersist_verify")
+LOAD_ROWS = ("load_device", "load_device_fresh", "load_torch", "load_torch_mmap", "load_safetensors",
+             "load_fastpersist", "load_fastpersist_verify", "load_into", "load_into_verify")
 ALL_ROWS = SAVE_ROWS + LOAD_ROWS
 
 # The training benchmark's modes (fp_core.tools.bench_async), in run order inside a round (each
@@ -42,6 +42,11 @@ def size_arg(text: str) -> int:
     return n
 
 
+def sizes_arg(text: str) -> list[int]:
+    """An argparse ``type``: a comma list of sizes (each as :func:`size_arg`)."""
+    return [size_arg(part.strip()) for part in text.split(",") if part.strip()]
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options given on the command line (those left out are fp_core's defaults)."""
     return {k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k, None) is not None}
@@ -54,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "use the disk you checkpoint to, not tmpfs")
     parser.add_argument("--size", type=size_arg, default=size_arg(DEFAULT_SIZE),
                         help=f"checkpoint size, e.g. 512MiB, 4GiB (default {DEFAULT_SIZE})")
+    parser.add_argument("--sizes", type=sizes_arg, metavar="SIZE,SIZE,...",
+                        help="run the sync benchmark once per size, one table each (e.g. 16MiB,64MiB,260MiB: "
+                             "small checkpoints of the same 2412 tensors, where the cost per tensor shows)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (each runs every row once); medians are reported (default 3)")
     parser.add_argument("--warmup-rounds", dest="warmup_rounds", type=int, default=1,
                         help="uncounted rounds first (first writes and reads of a run are outliers; default 1)")
