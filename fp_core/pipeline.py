@@ -66,6 +66,7 @@ from .arena import Arena, arena_need
 from .distributed import DEFAULT_TIMEOUT_S
 from .engine import EngineOptions
 from .errors import CheckpointError
+from .fence_cut import FenceCut
 from .job import SaveJob
 from .plan import StorageExtent
 from .stats import SaveStats
@@ -125,6 +126,7 @@ class Handle:
         self.internal = internal  # our own housekeeping: not a pending write for pending()
         self._done = threading.Event()
         self._staged = threading.Event()  # no live memory is read any more
+        self._cut: tuple | None = None  # (FenceCut, job, live memory) of an overlap save
         self._result: Any = None
         self._error: BaseException | None = None
         self._reported = False
@@ -255,7 +257,7 @@ class AsyncCheckpointer:
                  snapshot_budget_bytes: int | None = None, small_tensor_bytes: int = 1 << 20,
                  install_optimizer_hook: bool = True, cpu_work_at_save: bool | None = None,
                  save_threads: int | None = None, writer_nice: int = 0, huge_pages: bool = True,
-                 collapse_live_tensors: bool = False,
+                 collapse_live_tensors: bool = False, fence_copies_rest: bool = True,
                  group: Any = None, topology: Any = "replica",
                  timeout_s: float = DEFAULT_TIMEOUT_S, **engine_options: Any) -> None:
         if policy not in POLICIES:
@@ -277,6 +279,7 @@ class AsyncCheckpointer:
         self.save_threads = save_threads
         self.huge_pages = huge_pages
         self.collapse_live_tensors = collapse_live_tensors
+        self.fence_copies_rest = fence_copies_rest
         self.huge_page_bytes = 0  # live tensor bytes collapsed onto huge pages so far
         self._huge_seen: set[tuple[int, int]] = set()  # (address, length) already asked for
         self._huge_pool: ThreadPoolExecutor | None = None
@@ -395,6 +398,11 @@ class AsyncCheckpointer:
         handle = SaveHandle(prepared.final)
         # What the writer will read from live memory: it must not be freed meanwhile.
         live = _LiveMemory([s for s in big if s.host is None], handle._staged)
+        if (policy == "overlap" and self.fence_copies_rest and live.extents and prepared.plan is not None
+                and not prepared.collective and all(s.source.device.type == "cpu" for s in prepared.plan.storages)):
+            # the fence may copy what is still unwritten instead of waiting for it
+            handle._cut = (FenceCut(prepared.plan), prepared, live)
+            prepared.plan.cut = handle._cut[0]
 
         def run() -> SaveStats:
             return self._run_save(prepared, policy, big, handle, on_commit, arena, live)
@@ -454,9 +462,44 @@ class AsyncCheckpointer:
         with self._cv:
             pending = list(self._saves)
         for h in pending:
+            if h._cut is not None and not h._staged.is_set():
+                self._open_cut(*h._cut)
             h._staged.wait()
         self._maybe_remove_hook()
         self._raise_pending()
+
+    def _open_cut(self, cut: FenceCut, prepared: SaveJob, live: _LiveMemory) -> None:
+        """The fence of an overlap save still writing: copy the storages not written yet
+        (from the end backwards, into one arena, within ``snapshot_budget_bytes``) while
+        the writer goes on, then let go of live memory (see :mod:`fp_core.fence_cut`)."""
+        t0 = time.perf_counter()
+        rest = cut.pending()
+        room = {"left": self.snapshot_budget_bytes}
+        slots: dict[int, torch.Tensor] = {}
+        if rest and cut.arena is None:
+            cut.arena = self._take_arena(rest)
+            slots = dict(zip(map(id, rest), cut.arena.carve(rest)))
+
+        def copy(todo: list[StorageExtent]) -> bool:
+            n = sum(s.length for s in todo)
+            if n > room["left"] or any(id(s) not in slots for s in todo):
+                return False
+            stage_cpu(todo, [slots[id(s)] for s in todo], pool=self._save_pool(), threads=self._pool_threads)
+            room["left"] -= n
+            for s in todo:
+                del slots[id(s)]
+            return True
+
+        try:
+            cut.open(copy)
+            cut.arena_filled = not slots  # only an arena whose every slot was copied into counts as warm
+            live.release(prepared.final, prepared.plan, check=True)
+        except Exception as e:  # noqa: BLE001 - the save fails; the writer's run() raises it
+            prepared.fail(e)
+            live.release(prepared.final, prepared.plan, check=False)
+        stats = prepared.stats.extra
+        stats["fence_copied_bytes"] = cut.copied_bytes
+        stats["fence_cut_seconds"] = time.perf_counter() - t0
 
     def wait(self) -> None:
         """Block until every queued job is finished (durable), then raise any failure."""
@@ -671,11 +714,18 @@ class AsyncCheckpointer:
                 live.release(prepared.final, prepared.plan, check=False)
             stats = prepared.run(on_body_written=lambda: live.release(prepared.final, prepared.plan, check=check))
         finally:
+            cut = prepared.plan.cut if prepared.plan is not None else None
+            if cut is not None:
+                cut.finish()  # a fence copying meanwhile is done with the copies' memory
             live.close()
             for s in big:
                 s.host, s.host_crcs = None, None
             if arena is not None:
                 self._give_arena(arena)
+            if cut is not None and cut.arena is not None:
+                if cut.arena_filled:  # every page touched: warm for later copies
+                    self._give_arena(cut.arena)
+                cut.arena = None
         if on_commit is not None:
             on_commit(prepared.final, stats)
         return stats

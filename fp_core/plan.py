@@ -93,6 +93,8 @@ class FilePlan:
     manifest_size: int = 0
     manifest_central_entry: int = 0  # offset of its central directory entry
     serialize_seconds: float = 0.0
+    # fp_core.fence_cut.FenceCut of an overlap save whose fence may copy the unwritten rest
+    cut: Any = None
 
     @property
     def tail_start(self) -> int:

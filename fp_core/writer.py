@@ -216,10 +216,19 @@ def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
 
 def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
                 options: EngineOptions, stats: RangeStats) -> list[PieceCrc]:
-    """Write the plan's bytes in [start, end); return the CRC of every storage piece written."""
+    """Write the plan's bytes in [start, end); return the CRC of every storage piece written.
+
+    With ``plan.cut`` (an overlap save whose fence may copy the rest), the range is
+    written in the cut's batches, each claimed first: from live memory, or from the copies
+    the fence made of it."""
     out: list[PieceCrc] = []
     congruence = max(engine.alignment, engine.mem_alignment)
-    for lo, hi in _batches(plan, start, end):
+    cut = plan.cut
+    batches = ([(i, *cut.ranges[i]) for i in cut.index(start, end)] if cut is not None
+               else [(None, lo, hi) for lo, hi in _batches(plan, start, end)])
+    for k, lo, hi in batches:
+        if k is not None:
+            cut.claim(k)
         pieces = sorted(plan.pieces(lo, hi), key=lambda p: p.offset)
         staged = _stage_device_storages(pieces, stats)
         try:
@@ -241,6 +250,8 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
             stats.add(native_stats, time.perf_counter() - t0)
         finally:
             _release(staged)
+        if k is not None:
+            cut.done(k)
         for p, (off, _, n, *_), crc in zip(owners, extents, crcs):
             if p is not None:
                 out.append(PieceCrc(p.storage.record, p.storage_start + (off - p.offset), n, crc))
@@ -330,6 +341,9 @@ def write_single(engine: _native.Engine, plan: FilePlan, options: EngineOptions,
 
 def write_tail(engine: _native.Engine, plan: FilePlan, body_pieces: list[PieceCrc],
                options: EngineOptions, stats: RangeStats, on_body_written: Any = None) -> None:
+    if plan.cut is not None:  # the tail's checksums read storage bytes too
+        for k in plan.cut.index(plan.tail_start, plan.file_size):
+            plan.cut.claim(k)
     if plan.manifest is not None:
         combine_piece_crcs(plan, body_pieces + tail_piece_crcs(plan))
         finish_tail(plan)
