@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as _ser_config
 
+_STORAGE_TYPES = (torch.storage.TypedStorage, torch.UntypedStorage)
+
 # torch's save config is process-global; serialise our patches of it.
 _CONFIG_LOCK = threading.Lock()
 
@@ -68,12 +70,16 @@ class SparseFile(io.RawIOBase):
         return pos
 
     def write(self, data: Any) -> int:
-        data = bytes(data)
-        n = len(data)
+        n = len(data) if isinstance(data, (bytes, bytearray)) else memoryview(data).nbytes
         if n:
-            self._put(self._pos, data)
-            self._pos += n
-            self._size = max(self._size, self._pos)
+            pos = self._pos
+            if self._starts and self._starts[-1] + len(self._segs[-1]) == pos:
+                self._segs[-1] += data  # appending to the last segment: torch writes in order
+            else:
+                self._put(pos, bytes(data))
+            self._pos = pos + n
+            if self._pos > self._size:
+                self._size = self._pos
         return n
 
     def readinto(self, buf: Any) -> int:
@@ -149,9 +155,12 @@ class SparseFile(io.RawIOBase):
         return out
 
     def pread(self, off: int, n: int) -> bytes:
-        out = bytearray(n)
         end = off + n
         i = max(0, bisect.bisect_right(self._starts, off) - 1)
+        if i < len(self._starts) and self._starts[i] <= off and end <= self._starts[i] + len(self._segs[i]):
+            s = self._starts[i]  # inside one written segment: the common case (headers, the pickle)
+            return bytes(self._segs[i][off - s: end - s])
+        out = bytearray(n)
         while i < len(self._starts) and self._starts[i] < end:
             s, b = self._starts[i], self._segs[i]
             lo, hi = max(s, off), min(s + len(b), end)
@@ -182,6 +191,11 @@ class _StorageRecorder:
                 torch_persistent_id = type(self).persistent_id
 
                 def persistent_id(obj: Any) -> Any:
+                    # torch's persistent_id returns None for anything but a storage; the
+                    # pickler asks for every object (tens of thousands per checkpoint), so
+                    # the cheap type test comes first.
+                    if not isinstance(obj, _STORAGE_TYPES):
+                        return None
                     pid = torch_persistent_id(self, obj)
                     if pid is not None and pid[0] == "storage":  # called for every object: keep it lean
                         recorder._record(pid[2], obj)
