@@ -373,11 +373,12 @@ class AsyncCheckpointer:
         with self._cv:
             busy = bool(self._saves)  # its arena comes back when it ends
             warming = self._jobs_where(internal=True)  # an arena's warm-up queued or running
-        # auto with nothing in flight and no warm arena: this save with overlap, and an
-        # arena warmed after it, sized as _take_arena will ask (every copy, small first).
-        # With saves in flight (max_in_flight > 1, when_busy="queue") a snapshot still
-        # takes a fresh arena of its own: under overlap its fence would wait behind them.
-        if policy == "snapshot" and self.policy == "auto" and big and not busy:
+        # auto and no warm arena: this save with overlap, and an arena warmed after it,
+        # sized as _take_arena will ask (every copy, small first). Also with saves in
+        # flight (max_in_flight > 1): a snapshot into a fresh arena would hold the fence
+        # for its page faults, while an overlap save queued behind them is copied by its
+        # fence (fence_cut) as fast as memory allows, or written before the fence comes.
+        if policy == "snapshot" and self.policy == "auto" and big and (not busy or self.fence_copies_rest):
             need, pin = arena_need(small + big)
             if not self._arena_ready(need, pin):
                 policy = "overlap"
@@ -477,7 +478,9 @@ class AsyncCheckpointer:
         room = {"left": self.snapshot_budget_bytes}
         slots: dict[int, torch.Tensor] = {}
         if rest and cut.arena is None:
-            cut.arena = self._take_arena(rest)
+            # a new arena on 4 KiB pages: a huge page faults in far slower (compaction), and
+            # here the training thread would wait for it
+            cut.arena = self._take_arena(rest, huge=False)
             slots = dict(zip(map(id, rest), cut.arena.carve(rest)))
 
         def copy(todo: list[StorageExtent]) -> bool:
@@ -723,9 +726,7 @@ class AsyncCheckpointer:
             if arena is not None:
                 self._give_arena(arena)
             if cut is not None and cut.arena is not None:
-                if cut.arena_filled:  # every page touched: warm for later copies
-                    self._give_arena(cut.arena)
-                cut.arena = None
+                self._keep_cut_arena(cut)
         if on_commit is not None:
             on_commit(prepared.final, stats)
         return stats
@@ -765,13 +766,15 @@ class AsyncCheckpointer:
         return next((i for i, a in enumerate(self._arenas)
                      if a.buf.numel() >= need and a.pin == pin and not (warm and a.fresh)), None)
 
-    def _take_arena(self, extents: list[StorageExtent]) -> Arena:
+    def _take_arena(self, extents: list[StorageExtent], huge: bool | None = None) -> Arena:
+        """A free arena for ``extents``, else a new one (``huge``: on huge pages; default
+        ``huge_pages``)."""
         need, pin = arena_need(extents)
         with self._cv:
             i = self._free_arena(need, pin)
             if i is not None:
                 return self._arenas.pop(i)
-        return Arena(need, pin, huge=self.huge_pages)
+        return Arena(need, pin, huge=self.huge_pages if huge is None else huge)
 
     def _arena_ready(self, need: int, pin: bool) -> bool:
         """A warm arena (every page touched) of at least ``need`` bytes is free now."""
@@ -796,6 +799,21 @@ class AsyncCheckpointer:
             self._warm_failed = True
             log.warning("fastpersist: could not prepare a %d-byte snapshot arena (%s: %s); auto keeps the overlap "
                         "policy", need, type(e).__name__, e)
+
+    def _keep_cut_arena(self, cut: FenceCut) -> None:
+        """On the writer, after a save whose fence copied into ``cut.arena``: keep it for
+        the next fence, every page faulted in (the fence met the writer part way, so part
+        of it is still fresh: the next copy into it would pay those faults on the training
+        thread instead)."""
+        arena, cut.arena = cut.arena, None
+        if arena.fresh and not cut.arena_filled:
+            if arena.pin or self._draining:
+                return  # draining: not worth the faults now
+            try:
+                _native.populate(arena.buf.data_ptr(), arena.buf.numel())
+            except OSError:
+                return
+        self._give_arena(arena)
 
     def _give_arena(self, arena: Arena) -> None:
         arena.slots, arena.fresh = {}, False

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 
+import pytest
 import torch
 from conftest import MiB, assert_identical
 
@@ -83,17 +84,27 @@ def test_wait_skips_an_arena_warm_up_not_yet_begun(disk_dir):
         assert ckpt.save(state, os.path.join(disk_dir, "3.pt")).result().policy == "snapshot"
 
 
-def test_auto_snapshots_a_save_queued_behind_another(disk_dir):
-    """With a save in flight (when_busy="queue"), auto keeps the snapshot for the next
-    one: under overlap its fence would wait until the write queued before it is done."""
+@pytest.mark.parametrize("copies_rest", [True, False])
+def test_auto_with_a_save_queued_behind_another(disk_dir, copies_rest):
+    """With a save in flight (when_busy="queue") and no warm arena, auto writes the next
+    one with overlap too: its fence copies it whole while the writer is still busy (a
+    snapshot would hold the fence for a fresh arena's page faults). Without the fence's
+    copy (fence_copies_rest=False) it keeps the snapshot: the overlap fence would wait
+    until the write queued before it is done."""
     state = {"a": torch.randn(8 * MiB // 4)}
-    with AsyncCheckpointer(when_busy="queue") as ckpt:
+    with AsyncCheckpointer(when_busy="queue", fence_copies_rest=copies_rest, install_optimizer_hook=False) as ckpt:
         gate = threading.Event()
         ckpt.enqueue(gate.wait, after=[])
         first = ckpt.save(state, os.path.join(disk_dir, "1.pt"))
         second = ckpt.save(state, os.path.join(disk_dir, "2.pt"))
+        if copies_rest:
+            ckpt.fence()  # returns with the writer still held: both saves were copied
+            assert not first.done() and not second.done()
         gate.set()
-        assert first.result().policy == "overlap" and second.result().policy == "snapshot"
+        want = ("overlap", "overlap") if copies_rest else ("overlap", "snapshot")
+        assert (first.result().policy, second.result().policy) == want
+        if copies_rest:
+            assert second.result().extra["fence_copied_bytes"] == 8 * MiB
     for name in ("1.pt", "2.pt"):
         assert_identical(state, fp_core.load(os.path.join(disk_dir, name), verify=True))
 
