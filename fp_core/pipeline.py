@@ -5,8 +5,10 @@ return at once and be written in the background while the next forward and backw
 run; a *fence* before the next step waits until the background no longer reads live
 tensor memory. Two staging policies (docs/design.md, "The async fence"):
 
-* ``overlap`` (the paper's): nothing is copied up front; the writer reads live tensors,
-  and the fence waits until every byte has been staged into the native engine's buffers.
+* ``overlap`` (the paper's): nothing is copied up front; the writer reads live tensors.
+  A fence that finds the write unfinished copies what is not written yet and opens when
+  the copy meets the writer (``fence_copies_rest``, :mod:`fp_core.fence_cut`); the writer
+  then writes the rest from the copies.
 * ``snapshot``: the background first copies every tensor into a reusable host arena
   (pinned, on a side stream, for CUDA tensors), releases the fence, then writes from the
   copy, so the disk write runs on across steps.
@@ -242,6 +244,11 @@ class AsyncCheckpointer:
             policy onto huge pages, once each, on a side thread after the first write that
             reads them (a one-time copy of the caller's memory; default False).
             ``huge_page_bytes`` counts what moved.
+        fence_copies_rest: an ``overlap`` save's fence that finds the write unfinished
+            copies what is not written yet into an arena (within
+            ``snapshot_budget_bytes``) while the writer goes on, instead of waiting for
+            the write (:mod:`fp_core.fence_cut`; default True). Local CPU saves only:
+            collective, sharded and device saves keep waiting for their writes.
         writer_nice: scheduling niceness added to the writer thread and the engine
             threads it starts (Linux: per thread, inherited). 0 (default) keeps the
             caller's: where training keeps every core busy, a niced writer starves the
