@@ -98,8 +98,11 @@ class FenceCut:
 
     # ------------------------------------------------------------------ the fence
     def pending(self) -> list[StorageExtent]:
-        """Storages of batches nobody has claimed yet (what the fence may copy)."""
+        """Storages of batches nobody has claimed yet (what the fence may copy); none once
+        the writer has finished."""
         with self._cv:
+            if self._finished:
+                return []
             out: dict[int, StorageExtent] = {}
             for i, st in enumerate(self._state):
                 if st == _NONE:
@@ -107,6 +110,15 @@ class FenceCut:
                         if s.host is None:
                             out.setdefault(id(s), s)
             return list(out.values())
+
+    def attach(self, arena: Any) -> bool:
+        """Give the fence's copies ``arena``; False once the writer has finished (then
+        nobody would hand it back: the caller keeps it)."""
+        with self._cv:
+            if self._finished:
+                return False
+            self.arena = arena
+            return True
 
     def open(self, copy: Callable[[list[StorageExtent]], bool]) -> None:
         """Copy unclaimed batches from the last one backwards (``copy`` gives each storage

@@ -86,6 +86,8 @@ class LocalSave:
                 rs = write_single(self.engine, self.plan, self.options, on_body_written)
                 t_sync = time.perf_counter()
                 self.engine.sync()
+            if self._failed is not None:  # failed meanwhile (by the fence, on another thread)
+                raise self._failed
             if publish:
                 self.publish()
         except BaseException as e:

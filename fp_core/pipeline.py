@@ -487,8 +487,11 @@ class AsyncCheckpointer:
         if rest and cut.arena is None:
             # a new arena on 4 KiB pages: a huge page faults in far slower (compaction), and
             # here the training thread would wait for it
-            cut.arena = self._take_arena(rest, huge=False)
-            slots = dict(zip(map(id, rest), cut.arena.carve(rest)))
+            arena = self._take_arena(rest, huge=False)
+            if cut.attach(arena):
+                slots = dict(zip(map(id, rest), arena.carve(rest)))
+            elif not arena.fresh:
+                self._give_arena(arena)  # the writer finished meanwhile: back to the pool
 
         def copy(todo: list[StorageExtent]) -> bool:
             n = sum(s.length for s in todo)

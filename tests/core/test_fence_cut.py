@@ -175,3 +175,14 @@ def test_a_write_failing_after_the_cut_fails_the_save_and_leaves_nothing(disk_di
             pass
     assert not os.path.exists(path)
     assert_no_temps(disk_dir)
+
+
+def test_a_failure_recorded_while_the_write_runs_is_raised_before_publishing(disk_dir):
+    """The fence runs on another thread than the writer: a failure it records (a storage
+    resized under it) must stop the publish even though the write was already under way."""
+    path = os.path.join(disk_dir, "late.pt")
+    job = fp_core.prepare(_state(n=4), path)
+    with pytest.raises(RuntimeError, match="boom"):
+        job.run(on_body_written=lambda: job.fail(RuntimeError("boom")))
+    assert not os.path.exists(path)
+    assert_no_temps(disk_dir)
