@@ -165,8 +165,9 @@ def test_a_write_failing_after_the_cut_fails_the_save_and_leaves_nothing(disk_di
         ckpt.fence()  # copies everything
         _native.inject_fault("write", errno=5, after_bytes=8 * MiB)
         gate.set()
-        with pytest.raises(Exception):
+        with pytest.raises(fp_core.AsyncCheckpointError, match="Input/output error") as e:
             h.result()
+        assert isinstance(e.value.__cause__, OSError)
     finally:
         _native.inject_fault(None)
         try:
