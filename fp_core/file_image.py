@@ -119,12 +119,13 @@ def read_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap:
     return buf
 
 
-class _MemoryFile(io.RawIOBase):
-    """The file's bytes, already in memory, as the file object torch's zip reader wants."""
+class PositionedReader(io.RawIOBase):
+    """A read-only file object of ``_size`` bytes with a position (``_pos``): the seeking
+    part of the file objects handed to torch's zip reader."""
 
-    def __init__(self, data: memoryview) -> None:
+    def __init__(self, size: int) -> None:
         super().__init__()
-        self._data = data
+        self._size = size
         self._pos = 0
 
     def readable(self) -> bool:
@@ -137,11 +138,21 @@ class _MemoryFile(io.RawIOBase):
         return self._pos
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}.get(whence)
+        if base is None:
+            raise ValueError(f"invalid whence {whence}")
         if base + offset < 0:
             raise OSError(22, f"seek to byte {base + offset}")
         self._pos = base + offset
         return self._pos
+
+
+class _MemoryFile(PositionedReader):
+    """The file's bytes, already in memory, as the file object torch's zip reader wants."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__(len(data))
+        self._data = data
 
     def readinto(self, b: Any) -> int:
         mv = memoryview(b).cast("B")

@@ -9,7 +9,6 @@ object whose storage-sized reads are native and checked against the manifest.
 
 from __future__ import annotations
 
-import io
 import os
 from typing import Any
 
@@ -32,7 +31,7 @@ _NATIVE_MIN = 1 << 20  # reads below this size go through the page cache
 _MAX_HEADER_PAD = 4096  # FastPersist pads local headers to 4 KiB; stock torch.save to 64 B
 
 
-class FastReader(io.RawIOBase):
+class FastReader(file_image.PositionedReader):
     """A file object over an open :class:`CheckpointFile` for ``torch.load``.
 
     With ``view`` (a checked manifest), each storage record is checked against its CRC-32C
@@ -40,12 +39,10 @@ class FastReader(io.RawIOBase):
     """
 
     def __init__(self, cf: CheckpointFile, view: ManifestView | None = None, threads: int = 4) -> None:
-        super().__init__()
+        super().__init__(cf.size)
         self.cf = cf
         self.path = cf.path
         self._fd = cf.fd
-        self._size = cf.size
-        self._pos = 0
         self._threads = threads
         self._native = cf.native_reader()
         self._view = view
@@ -82,27 +79,6 @@ class FastReader(io.RawIOBase):
         for lo, hi in merged:
             if lo < self._size:
                 os.posix_fadvise(self._fd, lo, min(hi, self._size) - lo, os.POSIX_FADV_WILLNEED)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        if whence == io.SEEK_SET:
-            pos = offset
-        elif whence == io.SEEK_CUR:
-            pos = self._pos + offset
-        else:
-            pos = self._size + offset
-        if pos < 0:
-            raise OSError(22, f"seek to byte {pos} of {self.path}")
-        self._pos = pos
-        return self._pos
 
     def readinto(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
