@@ -53,13 +53,16 @@ class FenceCut:
 
     def __init__(self, plan: FilePlan) -> None:
         self.ranges = cut_ranges(plan)
-        self.members: list[list[StorageExtent]] = []
-        for lo, hi in self.ranges:
-            seen: dict[int, StorageExtent] = {}
-            for p in plan.pieces(lo, hi):
-                if p.storage is not None:
-                    seen.setdefault(id(p.storage), p.storage)
-            self.members.append(list(seen.values()))
+        # the storages with bytes in each range (one sweep: both are sorted by offset)
+        self.members: list[list[StorageExtent]] = [[] for _ in self.ranges]
+        k = 0
+        for st in sorted(plan.storages, key=lambda x: x.offset):
+            while k < len(self.ranges) and self.ranges[k][1] <= st.offset:
+                k += 1
+            j = k
+            while j < len(self.ranges) and self.ranges[j][0] < st.end:
+                self.members[j].append(st)
+                j += 1
         self._state = [_NONE] * len(self.ranges)
         self._done = [False] * len(self.ranges)
         self._cv = threading.Condition()

@@ -51,6 +51,27 @@ _UNPICKLE = _torch_unpickle()
 AVAILABLE = _UNPICKLE is not None
 
 
+def _cpu_only(map_location: Any) -> bool:
+    if isinstance(map_location, str):
+        return map_location == "cpu"
+    return isinstance(map_location, torch.device) and map_location.type == "cpu"
+
+
+def applies(map_location: Any) -> bool:
+    """Whether to read a file whole for this load: where its tensors stay on the CPU
+    (``map_location`` None or CPU; a file saved from device tensors read with None waits
+    for its bytes anyway), and where torch takes each storage's offset from its zip
+    header (``torch.utils.serialization.config.load.calculate_storage_offsets`` off, its
+    default: computed offsets assume torch's own layout, not FastPersist's async one).
+    Loads onto a device keep the per-storage reads: a whole-file host buffer would double
+    their peak host memory."""
+    from torch.utils.serialization import config
+
+    if not AVAILABLE or getattr(config.load, "calculate_storage_offsets", False):
+        return False
+    return map_location is None or _cpu_only(map_location)
+
+
 def resolve_weights_only(weights_only: bool | None) -> bool:
     """What ``torch.load`` itself would use: its default and its two forcing variables."""
     not_set = weights_only is None
@@ -189,7 +210,7 @@ class _RecordSlices:
                                              f"byte {start}, where no storage record of that size lies")
 
 
-def _storage_records(cf: CheckpointFile, view: ManifestView | None) -> dict[int, int]:
+def storage_records(cf: CheckpointFile, view: ManifestView | None) -> dict[int, int]:
     """Data offset -> size of every ``<archive>/data/<key>`` record (checked to lie in the file)."""
     if view is not None:
         return {r.offset: r.size for r in view.manifest.records if r.kind == "storage"}
@@ -215,11 +236,12 @@ def _checked_records(cf: CheckpointFile, view: ManifestView) -> list[RecordInfo]
     return out
 
 
-def _unpickle(zf: Any, map_location: Any, weights_only: bool, slices: _RecordSlices, path: str) -> Any:
+def unpickle(zf: Any, map_location: Any, weights_only: bool, slices: _RecordSlices, path: str) -> Any:
     if not weights_only:
         return _UNPICKLE(zf, map_location, pickle, overall_storage=slices, encoding="utf-8")
     try:
-        return _UNPICKLE(zf, map_location, torch.serialization._weights_only_unpickler, overall_storage=slices)
+        return _UNPICKLE(zf, map_location, torch.serialization._weights_only_unpickler, overall_storage=slices,
+                         encoding="utf-8")
     except pickle.UnpicklingError as e:
         raise pickle.UnpicklingError(f"Weights only load failed for {path}: {e}\nLoad with weights_only=False "
                                      "only if you trust the file's source.") from None
@@ -243,8 +265,8 @@ def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any,
         with _MemoryFile(cf.image) as f, torch.serialization._open_zipfile_reader(f) as zf:
             if torch.serialization._is_torchscript_zip(zf):
                 return NotImplemented
-            obj = _unpickle(zf, map_location, wo, slices, cf.path)
-        slices.check(_storage_records(cf, view))
+            obj = unpickle(zf, map_location, wo, slices, cf.path)
+        slices.check(storage_records(cf, view))
         return obj
     finally:
         if cf.image is not None:

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from . import file_image, loader
+from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
 from .loader import FastReader
 
@@ -40,8 +41,23 @@ class _Fill:
     source: torch.Tensor  # the meta tensor (storage offset, strides) for a copy
 
 
+class _MetaSlices:
+    """The ``overall_storage`` torch's unpickler slices storages from: a meta storage per
+    slice, tagged with its offset in the file (torch takes it from the record's zip
+    header), so the structure is read without a byte of tensor data."""
+
+    def __getitem__(self, key: slice) -> torch.UntypedStorage:
+        st = torch.UntypedStorage(key.stop - key.start, device="meta")
+        st._fp_offset = key.start
+        return st
+
+
 def _meta_offset(t: torch.Tensor) -> int | None:
-    return getattr(t.untyped_storage(), "_checkpoint_offset", None)
+    return getattr(t.untyped_storage(), "_fp_offset", None)
+
+
+def _keep_on_meta(storage: Any, location: str) -> Any:
+    return storage
 
 
 def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
@@ -54,8 +70,9 @@ def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
             raise ValueError(f"load_into: {key or 'the tensor'} is {tuple(saved.shape)} {saved.dtype} in the file, "
                              f"{tuple(target.shape)} {target.dtype} in the target")
         off = _meta_offset(saved)
-        if off is None:
-            raise NotImplementedError("this torch does not give a storage's file offset on map_location='meta'")
+        if off is None:  # read whole (no offsets): copied from the loaded tensor
+            fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
+            return target
         es = saved.element_size()
         fills.append(_Fill(key, target, off + saved.storage_offset() * es, saved.numel() * es,
                            (off, saved.untyped_storage().nbytes()), saved))
@@ -106,8 +123,18 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
         if verify:
             view = read_manifest(cf)
             check_structure(cf, view)  # the pickle and headers before they are unpickled
-        with FastReader(cf) as f:
-            saved = torch.load(f, map_location="meta", weights_only=weights_only)
+        if not file_image.applies(None):
+            # no offsets from torch's headers here: load it whole and copy
+            saved = loader.load(path, map_location="cpu", weights_only=weights_only, verify=verify)
+            fills = []
+            result = _match(saved, target, "", fills)
+            with torch.no_grad():
+                for f in fills:
+                    f.target.copy_(f.source)
+            return result
+        wo = file_image.resolve_weights_only(weights_only)
+        with FastReader(cf) as f, torch.serialization._open_zipfile_reader(f) as zf:
+            saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
         fills: list[_Fill] = []
         result = _match(saved, target, "", fills)
         _read_fills(cf, view, fills)
@@ -116,11 +143,14 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
 
 def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill]) -> None:
     records = {r.offset: r for r in view.manifest.records if r.kind == "storage"} if view is not None else {}
+    sizes = file_image.storage_records(cf, view)  # offset -> size, from the zip's own headers
     seen: set[tuple[int, int, int]] = set()
     direct, copied = [], []
     for f in fills:
-        if f.offset < 0 or f.offset + f.nbytes > cf.size:
-            raise CheckpointError(f"{cf.path}: tensor {f.key} lies past the end of the file")
+        start, size = f.record
+        if sizes.get(start) != size or not start <= f.offset <= f.offset + f.nbytes <= start + size:
+            raise CorruptCheckpointError(cf.path, "data.pkl", f"tensor {f.key}: the pickle asks for {size} storage "
+                                         f"bytes at byte {start}, where no storage record of that size lies")
         t = f.target
         if t.device.type == "cpu" and t.is_contiguous() and f.source.is_contiguous():
             k = (t.data_ptr(), f.offset, f.nbytes)

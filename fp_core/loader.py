@@ -131,7 +131,7 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     if verify not in (True, False, "auto"):
         raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
     with CheckpointFile(path) as cf:
-        whole = file_image.AVAILABLE and cf.pread(0, 4) == b"PK\x03\x04"
+        whole = file_image.applies(map_location) and cf.pread(0, 4) == b"PK\x03\x04"
         view = None
         if verify:
             try:

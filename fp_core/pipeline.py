@@ -154,6 +154,7 @@ class Handle:
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
         self._staged.set()
+        self._cut = None  # the plan, job and live-memory guard of the save go with it
         self._done.set()
 
 
@@ -179,7 +180,10 @@ class _LiveMemory:
         self.shape = [(st.data_ptr(), st.nbytes()) for st in storages]
         self.guard = memory_guard.Guard(storages, released)
 
-    def release(self, path: str, plan: Any, check: bool = True) -> None:
+    def release(self, path: str, plan: Any, check: bool = True,
+                on_fail: Callable[[BaseException], None] | None = None) -> None:
+        """``on_fail(error)`` runs before the memory is let go (a writer on another thread
+        must see the failure before it can publish)."""
         if self.released.is_set():
             return
         try:
@@ -189,10 +193,13 @@ class _LiveMemory:
                     if (st.data_ptr(), st.nbytes()) != (ptr, n):
                         rec = plan.manifest.records[s.record] if plan is not None and plan.manifest else None
                         what = f"tensor {rec.tensor}" if rec is not None and rec.tensor else "a tensor"
-                        raise CheckpointError(
+                        err = CheckpointError(
                             f"checkpoint {path} not written: the storage of {what} was freed or resized while it "
                             f"was being written from live memory (a resize the fence could not see); use "
                             f"policy='snapshot' for such tensors")
+                        if on_fail is not None:
+                            on_fail(err)
+                        raise err
         finally:
             self.released.set()
 
@@ -385,7 +392,7 @@ class AsyncCheckpointer:
         # flight (max_in_flight > 1): a snapshot into a fresh arena would hold the fence
         # for its page faults, while an overlap save queued behind them is copied by its
         # fence (fence_cut) as fast as memory allows, or written before the fence comes.
-        if policy == "snapshot" and self.policy == "auto" and big and (not busy or self.fence_copies_rest):
+        if policy == "snapshot" and self.policy == "auto" and big and (not busy or self._fence_can_copy(prepared)):
             need, pin = arena_need(small + big)
             if not self._arena_ready(need, pin):
                 policy = "overlap"
@@ -406,8 +413,7 @@ class AsyncCheckpointer:
         handle = SaveHandle(prepared.final)
         # What the writer will read from live memory: it must not be freed meanwhile.
         live = _LiveMemory([s for s in big if s.host is None], handle._staged)
-        if (policy == "overlap" and self.fence_copies_rest and live.extents and prepared.plan is not None
-                and not prepared.collective and all(s.source.device.type == "cpu" for s in prepared.plan.storages)):
+        if policy == "overlap" and live.extents and self._fence_can_copy(prepared):
             # the fence may copy what is still unwritten instead of waiting for it
             handle._cut = (FenceCut(prepared.plan), prepared, live)
             prepared.plan.cut = handle._cut[0]
@@ -470,46 +476,62 @@ class AsyncCheckpointer:
         with self._cv:
             pending = list(self._saves)
         for h in pending:
-            if h._cut is not None and not h._staged.is_set():
-                self._open_cut(*h._cut)
+            cut = h._cut  # once: the handle drops it when the save ends
+            if cut is not None and not h._staged.is_set():
+                self._open_cut(*cut)
             h._staged.wait()
         self._maybe_remove_hook()
         self._raise_pending()
+
+    def _fence_can_copy(self, prepared: SaveJob) -> bool:
+        """Will an overlap save of ``prepared`` get a fence that copies the rest? (A local
+        save of CPU tensors: collective, sharded and device saves keep the waiting fence.)"""
+        return (self.fence_copies_rest and prepared.plan is not None and not prepared.collective
+                and all(s.source.device.type == "cpu" for s in prepared.plan.storages))
 
     def _open_cut(self, cut: FenceCut, prepared: SaveJob, live: _LiveMemory) -> None:
         """The fence of an overlap save still writing: copy the storages not written yet
         (from the end backwards, into one arena, within ``snapshot_budget_bytes``) while
         the writer goes on, then let go of live memory (see :mod:`fp_core.fence_cut`)."""
         t0 = time.perf_counter()
-        rest = cut.pending()
-        room = {"left": self.snapshot_budget_bytes}
+        # only the storages nearest the end that fit the budget: the writer reaches the others
+        rest, room = [], self.snapshot_budget_bytes
+        for st in sorted(cut.pending(), key=lambda x: -x.offset):
+            if st.length > room:
+                break
+            rest.append(st)
+            room -= st.length
         slots: dict[int, torch.Tensor] = {}
-        if rest and cut.arena is None:
-            # a new arena on 4 KiB pages: a huge page faults in far slower (compaction), and
-            # here the training thread would wait for it
-            arena = self._take_arena(rest, huge=False)
-            if cut.attach(arena):
-                slots = dict(zip(map(id, rest), arena.carve(rest)))
-            elif not arena.fresh:
-                self._give_arena(arena)  # the writer finished meanwhile: back to the pool
 
         def copy(todo: list[StorageExtent]) -> bool:
-            n = sum(s.length for s in todo)
-            if n > room["left"] or any(id(s) not in slots for s in todo):
-                return False
+            if any(id(s) not in slots for s in todo):
+                return False  # beyond the budget (or the arena): left to the writer
             stage_cpu(todo, [slots[id(s)] for s in todo], pool=self._save_pool(), threads=self._pool_threads)
-            room["left"] -= n
             for s in todo:
                 del slots[id(s)]
             return True
 
         try:
+            if rest and cut.arena is None:
+                # a new arena on 4 KiB pages: a huge page faults in far slower (compaction),
+                # and here the training thread would wait for it
+                arena = self._take_arena(rest, huge=False)
+                if cut.attach(arena):
+                    slots = dict(zip(map(id, rest), arena.carve(rest)))
+                elif not arena.fresh:
+                    self._give_arena(arena)  # the writer finished meanwhile: back to the pool
             cut.open(copy)
             cut.arena_filled = not slots  # only an arena whose every slot was copied into counts as warm
-            live.release(prepared.final, prepared.plan, check=True)
-        except Exception as e:  # noqa: BLE001 - the save fails; the writer's run() raises it
-            prepared.fail(e)
+            live.release(prepared.final, prepared.plan, check=True, on_fail=prepared.fail)
+        except BaseException as e:
+            # The writer may still be reading live memory in its batches: wait for them
+            # (copying nothing more) before letting go, whatever went wrong here.
+            if isinstance(e, Exception):
+                prepared.fail(e)
+            cut.open(lambda todo: False)
             live.release(prepared.final, prepared.plan, check=False)
+            if not isinstance(e, Exception):
+                raise
         stats = prepared.stats.extra
         stats["fence_copied_bytes"] = cut.copied_bytes
         stats["fence_cut_seconds"] = time.perf_counter() - t0

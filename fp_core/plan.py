@@ -109,10 +109,8 @@ class FilePlan:
 
     def pieces(self, start: int, end: int) -> Iterator[Piece]:
         """Every byte of [start, end) as skeleton or storage pieces, in file order."""
-        for off, data in self.skeleton.segments():
-            lo, hi = max(off, start), min(off + len(data), end)
-            if lo < hi:
-                yield Piece(lo, hi - lo, skeleton=data[lo - off : hi - off])
+        for rel, data in self.skeleton.segments_in(start, end - start):  # bisected: no walk of every segment
+            yield Piece(start + rel, len(data), skeleton=data)
         for s in self.storages:
             lo, hi = max(s.offset, start), min(s.end, end)
             if lo < hi:

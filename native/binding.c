@@ -541,16 +541,9 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
     if (!PyArg_ParseTupleAndKeywords(args, kw, "LKL|$piLO", kwlist, &off, &addr, &len, &o.checksum, &o.threads,
                                      &o.chunk_bytes, &ranges_obj))
         return NULL;
-    if (self->rd.fd < 0) {
-        PyErr_SetString(PyExc_ValueError, "I/O operation on closed Reader");
-        return NULL;
-    }
-    if (self->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "Reader is in use by another thread");
-        return NULL;
-    }
     ll *ranges = NULL;
     uint32_t *range_crcs = NULL;
+    /* parsed before the busy check: parsing may run Python code (and let another thread in) */
     if (ranges_obj != Py_None) {
         ranges = parse_ranges(ranges_obj, &o.n_ranges);
         if (!ranges)
@@ -562,6 +555,13 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
         }
         o.ranges = ranges;
         o.range_crcs = range_crcs;
+    }
+    if (self->rd.fd < 0 || self->busy) {
+        PyErr_SetString(self->rd.fd < 0 ? PyExc_ValueError : PyExc_RuntimeError,
+                        self->rd.fd < 0 ? "I/O operation on closed Reader" : "Reader is in use by another thread");
+        PyMem_Free(ranges);
+        PyMem_Free(range_crcs);
+        return NULL;
     }
     char msg[FP_MSG_MAX];
     uint32_t crc;

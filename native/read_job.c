@@ -283,8 +283,15 @@ int fp_reader_read(fp_reader_t *r, ll off, uint64_t addr, ll len, const fp_read_
     int rc = check_read(off, addr, len, o, &end, msg, cap);
     if (rc)
         return rc;
-    if (len == 0)
+    if (len == 0) {
+        for (int i = 0; i < o->n_ranges; i++)
+            if (o->ranges[2 * i + 1] != 0 || o->ranges[2 * i] != off) {
+                snprintf(msg, cap, "checksum range %d (offset %lld, length %lld) is not inside the empty read at %lld",
+                         i, o->ranges[2 * i], o->ranges[2 * i + 1], off);
+                return FP_EARG;
+            }
         return 0;
+    }
     /* The end of file first: a length from a damaged or hostile file is an EOF
      * before anything is sized by it. */
     struct stat st;

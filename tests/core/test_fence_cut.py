@@ -137,6 +137,8 @@ def test_fence_copies_what_is_unwritten_and_the_file_holds_the_state_at_save(dis
         assert st.extra["fence_copied_bytes"] == total  # nothing was written: all of it copied
     else:
         assert 0 < st.extra["fence_copied_bytes"] <= budget and fenced >= 0.25
+        # the host memory it kept is the budget's, not the checkpoint's
+        assert all(a.buf.numel() <= budget + MiB for a in ckpt._arenas)
     fp_core.verify(path)
     assert_identical(expected, fp_core.load(path, verify=True))
     assert_no_temps(disk_dir)

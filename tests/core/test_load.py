@@ -192,3 +192,31 @@ def test_load_into_verify_names_a_damaged_tensor(disk_dir):
     m2, _ = _model_state(1)
     with pytest.raises(CorruptCheckpointError, match="0.weight"):
         fp_core.load_into(m2.state_dict(), path, verify=True)
+
+
+def test_files_written_in_the_async_layout_load_whole_and_in_place(disk_dir):
+    """AsyncCheckpointer lays storages out congruent to their addresses (not where torch
+    itself would put them): every loader must take each storage's offset from its zip
+    header."""
+    m, opt = _model_state(0)
+    state = {"model": m.state_dict(), "optim": opt.state_dict()}
+    path = os.path.join(disk_dir, "async.pt")
+    with fp_core.AsyncCheckpointer(install_optimizer_hook=False) as ckpt:
+        ckpt.save(state, path).result()
+    assert_identical(fp_core.load(path, weights_only=True, verify=True), state)
+    assert_identical(fp_core.load(path, weights_only=True), torch.load(path, weights_only=True))
+    m2, opt2 = _model_state(1)
+    fp_core.load_into({"model": m2.state_dict(), "optim": opt2.state_dict()}, path, verify=True)
+    assert_identical(m2.state_dict(), m.state_dict())
+    assert_identical(opt2.state_dict(), opt.state_dict())
+
+
+def test_load_with_computed_storage_offsets_still_reads_async_layout_files(disk_dir):
+    from torch.utils.serialization import config
+
+    m, _ = _model_state(0)
+    path = os.path.join(disk_dir, "async.pt")
+    with fp_core.AsyncCheckpointer(install_optimizer_hook=False) as ckpt:
+        ckpt.save(m.state_dict(), path).result()
+    with config.patch({"load.calculate_storage_offsets": True}):
+        assert_identical(fp_core.load(path, weights_only=True, verify=True), m.state_dict())

@@ -967,3 +967,12 @@ def test_reader_checksums_ranges_as_they_land(tmp_path):
             with pytest.raises(TypeError):
                 r.read_into(0, out.ctypes.data, 1000, ranges=bad)
         assert r.read_into(0, out.ctypes.data, 1000, ranges=[]) == (0, [])
+
+
+def test_reader_ranges_of_an_empty_read_must_be_empty(tmp_path):
+    path, _ = random_file(tmp_path / "e.bin", 8192, seed=3)
+    out = np.zeros(16, dtype=np.uint8)
+    with _native.Reader(str(path)) as r:
+        assert r.read_into(100, out.ctypes.data, 0, ranges=[(100, 0)]) == (0, [0])
+        with pytest.raises(ValueError, match="empty read"):
+            r.read_into(100, out.ctypes.data, 0, ranges=[(100, 5)])
