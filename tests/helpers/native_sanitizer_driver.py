@@ -354,12 +354,15 @@ def anonymous_map(n: int):
 
 
 def unmapped_hole(n: int):
-    """n bytes at an address that was mapped and is not any more (guard pages around it)."""
+    """n bytes at an address that was mapped and is not accessible any more (guard pages
+    around it). PROT_NONE rather than munmap: an unmapped range can be handed to another
+    allocation of this process (ASan's, a thread's) before the engine touches it, and the
+    write then succeeds; a PROT_NONE range stays reserved and faults (EFAULT) all the same."""
     m, base = anonymous_map(n + 2 * PAGE)
     m[PAGE : PAGE + n] = b"\x5a" * n
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    assert libc.munmap(base + PAGE, n) == 0
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(base + PAGE, n, 0) == 0  # PROT_NONE
     return m, base + PAGE
 
 
