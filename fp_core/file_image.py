@@ -236,7 +236,8 @@ def _checked_records(cf: CheckpointFile, view: ManifestView) -> list[RecordInfo]
     return out
 
 
-def unpickle(zf: Any, map_location: Any, weights_only: bool, slices: _RecordSlices, path: str) -> Any:
+def unpickle(zf: Any, map_location: Any, weights_only: bool, slices: Any, path: str) -> Any:
+    """torch's unpickler over ``zf``, every storage sliced from ``slices`` (its ``overall_storage``)."""
     if not weights_only:
         return _UNPICKLE(zf, map_location, pickle, overall_storage=slices, encoding="utf-8")
     try:

@@ -27,7 +27,7 @@ from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
 from .loader import FastReader
 
-READ_THREADS = 4
+READ_THREADS = file_image.READ_THREADS
 _SPLIT_BYTES = 64 << 20  # one tensor this large is itself read by several threads
 
 
@@ -118,20 +118,20 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     ``verify=True`` every record read is checked against the manifest
     (:class:`CorruptCheckpointError` naming it; the targets then hold unchecked bytes).
     """
+    if not file_image.applies(None):
+        # no offsets from torch's headers here: load it whole (checked there) and copy
+        saved = loader.load(path, map_location="cpu", weights_only=weights_only, verify=verify)
+        copies: list[_Fill] = []
+        result = _match(saved, target, "", copies)
+        with torch.no_grad():
+            for f in copies:
+                f.target.copy_(f.source)
+        return result
     with CheckpointFile(path) as cf:
         view: ManifestView | None = None
         if verify:
             view = read_manifest(cf)
             check_structure(cf, view)  # the pickle and headers before they are unpickled
-        if not file_image.applies(None):
-            # no offsets from torch's headers here: load it whole and copy
-            saved = loader.load(path, map_location="cpu", weights_only=weights_only, verify=verify)
-            fills = []
-            result = _match(saved, target, "", fills)
-            with torch.no_grad():
-                for f in fills:
-                    f.target.copy_(f.source)
-            return result
         wo = file_image.resolve_weights_only(weights_only)
         with FastReader(cf) as f, torch.serialization._open_zipfile_reader(f) as zf:
             saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
