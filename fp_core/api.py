@@ -14,10 +14,15 @@ from typing import Any
 
 from . import integrity, loader, paths
 from .engine import EngineOptions
+from .gc_pause import gc_paused
 from .job import SaveJob
 from .local import LocalSave
 from .sharded import is_sharded
 from .stats import SaveStats
+
+# A synchronous save of at most this many bytes (a fraction of a second of writing) runs
+# whole with the garbage collector paused; a larger one only while it is serialised.
+GC_PAUSED_SAVE_BYTES = 256 << 20
 
 
 def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = None, *, format: str = "torch",
@@ -111,9 +116,18 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
 
         return save_sharded(obj, path, group, options=opts,
                             timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
-    return prepare(obj, path, opts, format=format, metadata=metadata, group=group, topology=topology,
-                   timeout_s=timeout_s, storage_options=storage_options, keep_local=keep_local,
-                   extra_files=extra_files).run()
+    with gc_paused():
+        job = prepare(obj, path, opts, format=format, metadata=metadata, group=group, topology=topology,
+                      timeout_s=timeout_s, storage_options=storage_options, keep_local=keep_local,
+                      extra_files=extra_files)
+        plan = getattr(job, "plan", None)
+        if plan is not None and plan.file_size <= GC_PAUSED_SAVE_BYTES:
+            # Written within the pause too, and dropped before it ends: the plan's objects
+            # are freed before the collector ever sees them (no young collection of all of them).
+            stats = job.run()
+            del job, plan
+            return stats
+    return job.run()
 
 
 def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,

@@ -1,0 +1,95 @@
+"""gc_paused: the collector is off while a save serialises, and exactly as the user left it afterwards."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import pytest
+import torch
+
+import fp_core
+from fp_core.gc_pause import gc_paused
+
+
+class _Probe:
+    """Records whether the collector ran automatically while it was being pickled."""
+
+    seen: list[bool] = []
+
+    def __reduce__(self):
+        _Probe.seen.append(gc.isenabled())
+        return (_Probe, ())
+
+
+@pytest.fixture
+def restore_gc():
+    was = gc.isenabled()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_nested_pauses_resume_once_and_errors_resume_too(restore_gc):
+    gc.enable()
+    with gc_paused():
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # the outer pause still holds
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            raise RuntimeError("boom")
+    assert gc.isenabled()
+
+
+def test_a_collector_the_user_disabled_stays_disabled(restore_gc):
+    gc.disable()
+    with gc_paused():
+        pass
+    assert not gc.isenabled()
+
+
+def test_overlapping_pauses_on_threads_resume_after_the_last(restore_gc):
+    gc.enable()
+    inside, release = threading.Barrier(3), threading.Event()
+
+    def hold():
+        with gc_paused():
+            inside.wait()
+            release.wait()
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    for t in threads:
+        t.start()
+    inside.wait()
+    assert not gc.isenabled()
+    release.set()
+    for t in threads:
+        t.join()
+    assert gc.isenabled()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_save_pickles_with_the_collector_paused_and_restores_it(disk_dir, restore_gc, enabled):
+    (gc.enable if enabled else gc.disable)()
+    _Probe.seen.clear()
+    path = os.path.join(disk_dir, "probe.pt")
+    fp_core.save({"w": torch.ones(3), "probe": _Probe()}, path)
+    assert _Probe.seen == [False]
+    assert gc.isenabled() is enabled
+    assert isinstance(torch.load(path, weights_only=False)["probe"], _Probe)
+
+
+def test_a_save_keeps_no_storage_alive_for_the_collector(disk_dir, restore_gc):
+    """The pickler's memo references every storage it reduced; were the pickler part of a
+    reference cycle, the checkpoint's memory would stay held after the save until a
+    collection happened to run."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    gc.disable()
+    state = {"w": torch.randn(1000), "b": torch.randn(10)}
+    refs = [StorageWeakRef(t.untyped_storage()) for t in state.values()]
+    fp_core.save(state, os.path.join(disk_dir, "freed.pt"))
+    del state
+    assert all(r.expired() for r in refs)
