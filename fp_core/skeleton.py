@@ -15,6 +15,8 @@ import io
 import pickle
 import threading
 import types
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -24,6 +26,34 @@ _STORAGE_TYPES = (torch.storage.TypedStorage, torch.UntypedStorage)
 
 # torch's save config is process-global; serialise our patches of it.
 _CONFIG_LOCK = threading.Lock()
+
+_REBUILD_V2 = torch._utils._rebuild_tensor_v2
+_UNTYPED_DTYPES = frozenset(torch.storage._new_dtypes())  # torch pickles these through _rebuild_tensor_v3
+_CPU = torch.device("cpu")
+
+
+def fast_tensor_reduce(t: Any) -> Any:
+    """What ``torch.Tensor.__reduce_ex__`` returns for a plain dense CPU tensor, built
+    without its generic path; ``NotImplemented`` for every other object.
+
+    torch's reduction of each tensor first runs a dozen checks for subclasses, fake,
+    quantized, sparse, nested and device tensors, then builds its ``TypedStorage``
+    wrapper through an argument-checking constructor twice: most of the pickling time of
+    a state dict of thousands of small tensors. For the one case a state dict is made of
+    (exactly ``torch.Tensor``, strided, on the CPU, a legacy dtype, no Python attributes,
+    hooks, conjugate or negative bit) the result is the same tuple torch builds, so the
+    pickle is byte for byte torch's (tests compare the two); anything else takes torch's
+    own path.
+    """
+    if (type(t) is not torch.Tensor or t.device != _CPU or t.layout is not torch.strided
+            or t.is_quantized or t.is_nested or t.dtype in _UNTYPED_DTYPES
+            or t._backward_hooks or t.__dict__ or t.is_conj() or t.is_neg()):
+        return NotImplemented
+    # TypedStorage(wrap_storage=..., dtype=..., _internal=True) sets exactly these two.
+    storage = object.__new__(torch.storage.TypedStorage)
+    storage._untyped_storage = t.untyped_storage()
+    storage.dtype = t.dtype
+    return _REBUILD_V2, (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, OrderedDict())
 
 
 class SparseFile(io.RawIOBase):
@@ -91,12 +121,10 @@ class SparseFile(io.RawIOBase):
 
     def truncate(self, size: int | None = None) -> int:
         size = self._pos if size is None else size
-        keep_s, keep_b = [], []
-        for s, b in zip(self._starts, self._segs):
-            if s < size:
-                keep_s.append(s)
-                keep_b.append(b[: size - s])
-        self._starts, self._segs = keep_s, keep_b
+        i = bisect.bisect_left(self._starts, size)  # segments from here on start past the end
+        del self._starts[i:], self._segs[i:]
+        if i and self._starts[i - 1] + len(self._segs[i - 1]) > size:
+            del self._segs[i - 1][size - self._starts[i - 1]:]
         self._size = size
         return size
 
@@ -175,42 +203,13 @@ class SparseFile(io.RawIOBase):
 
 
 class _StorageRecorder:
-    """A ``pickle_module`` for torch.save that reports which storage got which record key.
+    """Which storage got which record key in one torch.save (see :class:`_RecordingPickler`)."""
 
-    torch.save builds its pickler as a subclass of ``pickle_module.Pickler`` whose
-    ``persistent_id`` assigns record keys; wrapping that method (instead of re-implementing
-    the key assignment) keeps us exactly in step with torch's own numbering and dtype checks.
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, fast_tensors: bool = True) -> None:
         self.storages: dict[str, tuple[torch.UntypedStorage, torch.dtype, int]] = {}
-        recorder = self
+        self.fast_tensors = fast_tensors
 
-        class Pickler(pickle.Pickler):
-            def __init__(self, *args: Any, **kwargs: Any) -> None:
-                torch_persistent_id = type(self).persistent_id
-
-                def persistent_id(obj: Any) -> Any:
-                    # torch's persistent_id returns None for anything but a storage; the
-                    # pickler asks for every object (tens of thousands per checkpoint), so
-                    # the cheap type test comes first.
-                    if not isinstance(obj, _STORAGE_TYPES):
-                        return None
-                    pid = torch_persistent_id(self, obj)
-                    if pid is not None and pid[0] == "storage":  # called for every object: keep it lean
-                        recorder._record(pid[2], obj)
-                    return pid
-
-                # An instance attribute wins over the class method when the C pickler
-                # looks up persistent_id at construction.
-                self.persistent_id = persistent_id
-                super().__init__(*args, **kwargs)
-
-        self.module = types.SimpleNamespace(
-            Pickler=Pickler, Unpickler=pickle.Unpickler, __name__="pickle", load=pickle.load
-        )
-
-    def _record(self, key: str, obj: Any) -> None:
+    def record(self, key: str, obj: Any) -> None:
         if isinstance(obj, torch.storage.TypedStorage):
             storage, dtype = obj._untyped_storage, obj.dtype
         else:
@@ -218,12 +217,64 @@ class _StorageRecorder:
         self.storages[key] = (storage, dtype, storage.nbytes())
 
 
-def capture(obj: Any, alignment: int) -> tuple[SparseFile, dict[str, tuple[torch.UntypedStorage, torch.dtype, int]]]:
-    """Run torch.save on ``obj`` with data skipped; return the skeleton and its storages by key."""
+_current = threading.local()  # the recorder of the capture running on this thread
+
+
+class _RecordingPickler(pickle.Pickler):
+    """The ``Pickler`` of the ``pickle_module`` we hand torch.save.
+
+    torch.save builds its pickler as a subclass of ``pickle_module.Pickler`` whose
+    ``persistent_id`` assigns record keys; wrapping that method (instead of re-implementing
+    the key assignment) keeps us exactly in step with torch's own numbering and dtype
+    checks. One class for every save, and no reference from the pickler's attributes back
+    to the pickler: its memo holds every reduced tensor's storage, and a reference cycle
+    would keep those alive (and leave tens of thousands of objects to the garbage
+    collector) after the save instead of freeing them when torch.save returns.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        recorder: _StorageRecorder = _current.recorder
+        torch_persistent_id = type(self).persistent_id
+        this = weakref.ref(self)
+
+        def persistent_id(obj: Any) -> Any:
+            # torch's persistent_id returns None for anything but a storage; the pickler
+            # asks for every object (tens of thousands per checkpoint), so the cheap type
+            # test comes first.
+            if not isinstance(obj, _STORAGE_TYPES):
+                return None
+            pid = torch_persistent_id(this(), obj)
+            if pid is not None and pid[0] == "storage":
+                recorder.record(pid[2], obj)
+            return pid
+
+        # An instance attribute wins over the class method when the C pickler looks up
+        # persistent_id at construction.
+        self.persistent_id = persistent_id
+        self.fast_tensors = recorder.fast_tensors
+        super().__init__(*args, **kwargs)
+
+    def reducer_override(self, obj: Any) -> Any:  # called for non-builtin types only
+        return fast_tensor_reduce(obj) if self.fast_tensors else NotImplemented
+
+
+_PICKLE_MODULE = types.SimpleNamespace(Pickler=_RecordingPickler, Unpickler=pickle.Unpickler, __name__="pickle",
+                                       load=pickle.load)
+
+
+def capture(obj: Any, alignment: int, fast_tensors: bool = True
+            ) -> tuple[SparseFile, dict[str, tuple[torch.UntypedStorage, torch.dtype, int]]]:
+    """Run torch.save on ``obj`` with data skipped; return the skeleton and its storages by key.
+
+    ``fast_tensors=False``: every tensor through torch's own reduction (see
+    :func:`fast_tensor_reduce`; the tests compare the two)."""
     sparse = SparseFile()
-    recorder = _StorageRecorder()
+    recorder = _current.recorder = _StorageRecorder(fast_tensors)
     with _CONFIG_LOCK:
         with _ser_config.patch({"save.storage_alignment": alignment, "save.compute_crc32": False}):
             with torch.serialization.skip_data():
-                torch.save(obj, sparse, pickle_module=recorder.module)
+                try:
+                    torch.save(obj, sparse, pickle_module=_PICKLE_MODULE)
+                finally:
+                    _current.recorder = None
     return sparse, recorder.storages
