@@ -1,18 +1,19 @@
 """Turn a Python object into a FilePlan: the skeleton bytes plus the storages' byte extents.
 
-The plan is format-blind downstream: the writer, the partitioner and the
-checksums only see ``pieces`` — ``(file_offset, length, source)`` — that tile the file.
+The plan is format-blind downstream: the writer, the partitioner and the checksums only
+see the skeleton's written segments and the storages' extents, which together tile the file.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import _native, ziptail
+from .gc_pause import gc_paused
 from .manifest import RECORD_SUFFIX, TAIL_COMMENT, Manifest, RecordInfo
 from .skeleton import SparseFile, capture
 
@@ -71,17 +72,6 @@ def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 @dataclass
-class Piece:
-    """A contiguous run of file bytes from one source, clipped to a write range."""
-
-    offset: int
-    length: int
-    skeleton: bytes | None = None  # skeleton bytes, or
-    storage: StorageExtent | None = None  # a storage, starting at this byte of it:
-    storage_start: int = 0
-
-
-@dataclass
 class FilePlan:
     file_size: int
     alignment: int
@@ -107,14 +97,20 @@ class FilePlan:
     def storage_bytes(self) -> int:
         return sum(s.length for s in self.storages)
 
-    def pieces(self, start: int, end: int) -> Iterator[Piece]:
-        """Every byte of [start, end) as skeleton or storage pieces, in file order."""
-        for rel, data in self.skeleton.segments_in(start, end - start):  # bisected: no walk of every segment
-            yield Piece(start + rel, len(data), skeleton=data)
-        for s in self.storages:
-            lo, hi = max(s.offset, start), min(s.end, end)
-            if lo < hi:
-                yield Piece(lo, hi - lo, storage=s, storage_start=lo - s.offset)
+    def storages_in(self, start: int, end: int) -> list[StorageExtent]:
+        """The storages that overlap [start, end), in file order (``storages`` is sorted
+        by offset and its extents are disjoint, so two bisections find them)."""
+        i = bisect.bisect_right(self.storages, start, key=_end)  # the first that ends after start
+        j = bisect.bisect_left(self.storages, end, lo=i, key=_offset)  # the first that starts at or after end
+        return self.storages[i:j]
+
+
+def _end(s: StorageExtent) -> int:
+    return s.offset + s.length
+
+
+def _offset(s: StorageExtent) -> int:
+    return s.offset
 
 
 def _tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, str]]:
@@ -156,6 +152,11 @@ def build(obj: Any, alignment: int = 4096, congruent: bool = False) -> FilePlan:
     its block-aligned middle straight from the tensor with O_DIRECT, no staging copy.
     Otherwise storages start on ``alignment``, as torch lays them out.
     """
+    with gc_paused():  # see gc_pause: a full collection mid-pickle costs more than the pickle
+        return _build(obj, alignment, congruent)
+
+
+def _build(obj: Any, alignment: int, congruent: bool) -> FilePlan:
     sparse, storages_by_key = capture(obj, alignment)
     names = _tensor_names(obj)
 

@@ -20,7 +20,7 @@ import torch
 from . import _native
 from .engine import EngineOptions
 from .manifest import TAIL_COMMENT_PREFIX
-from .plan import FilePlan, Piece, StorageExtent, align_down
+from .plan import FilePlan, StorageExtent, align_down
 
 # Device tensors are copied to pinned host memory in batches of at most this many bytes
 # (or one storage, when a single storage is larger), so host memory stays bounded.
@@ -60,11 +60,6 @@ def _bytes_addr(data: bytes, keep: list) -> int:
     arr = np.frombuffer(data, dtype=np.uint8)
     keep.append(arr)
     return arr.ctypes.data
-
-
-def _piece_addr(piece: Piece) -> int:
-    assert piece.storage is not None
-    return piece.storage.addr() + piece.storage_start
 
 
 def mark_ready(extents: list[StorageExtent]) -> None:
@@ -175,13 +170,12 @@ def snapshot_to_host(extents: list[StorageExtent], into: list[torch.Tensor]) -> 
         stage_cpu([s for s, _ in cpu], [b for _, b in cpu])
 
 
-def _stage_device_storages(pieces: list[Piece], stats: RangeStats) -> list[StorageExtent]:
-    """Copy the device storages these pieces read into pinned host memory; return them."""
-    wanted = {id(p.storage): p.storage for p in pieces if p.storage is not None and not p.storage.on_cpu}
-    if not wanted:
+def _stage_device_storages(storages: list[StorageExtent], stats: RangeStats) -> list[StorageExtent]:
+    """Copy these storages' device ones into pinned host memory; return them."""
+    staged = [s for s in storages if not s.on_cpu]
+    if not staged:
         return []
     t0 = time.perf_counter()
-    staged = list(wanted.values())
     copy_to_host(staged)
     stats.device_copy_seconds += time.perf_counter() - t0
     return staged
@@ -229,33 +223,49 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
     for k, lo, hi in batches:
         if k is not None:
             cut.claim(k)
-        pieces = sorted(plan.pieces(lo, hi), key=lambda p: p.offset)
-        staged = _stage_device_storages(pieces, stats)
+        storages = plan.storages_in(lo, hi)
+        staged = _stage_device_storages(storages, stats)
         try:
             keep: list = []
-            extents: list[tuple] = []  # (file_offset, addr, length[, known crc])
-            owners: list[Piece | None] = []
-            for p in pieces:
-                if p.skeleton is not None:
-                    extents.append((p.offset, _bytes_addr(p.skeleton, keep), p.length))
-                    owners.append(None)
-                    continue
-                known = p.storage.host_crcs  # computed while staging, or at save time
-                for off, addr, n in split_congruent(p.offset, _piece_addr(p), p.length, congruence):
-                    crc = known.get((p.storage_start + off - p.offset, n)) if known else None
-                    extents.append((off, addr, n, crc))
-                    owners.append(p)
+            rows = _extents(plan, storages, lo, hi, congruence, keep)
             t0 = time.perf_counter()
-            crcs, native_stats = engine.write(extents, lo, hi, checksum=True, zero_copy=True)
+            crcs, native_stats = engine.write([r[:4] for r in rows], lo, hi, checksum=True, zero_copy=True)
             stats.add(native_stats, time.perf_counter() - t0)
         finally:
             _release(staged)
         if k is not None:
             cut.done(k)
-        for p, (off, _, n, *_), crc in zip(owners, extents, crcs):
-            if p is not None:
-                out.append(PieceCrc(p.storage.record, p.storage_start + (off - p.offset), n, crc))
+        out.extend(PieceCrc(r[4].record, r[5], r[2], crc) for r, crc in zip(rows, crcs) if r[4] is not None)
     return out
+
+
+def _extents(plan: FilePlan, storages: list[StorageExtent], lo: int, hi: int, congruence: int,
+             keep: list) -> list[tuple]:
+    """Every byte of [lo, hi) as engine extents in file order: rows of ``(file offset,
+    address, length, known CRC or None, storage or None, byte of the storage)``.
+
+    One pass of plain tuples: a state dict of thousands of small tensors spends more
+    here per tensor than the engine spends writing it."""
+    rows: list[tuple] = [(lo + rel, _bytes_addr(data, keep), len(data), None, None, 0)
+                         for rel, data in plan.skeleton.segments_in(lo, hi - lo)]
+    for s in storages:
+        a, b = max(s.offset, lo), min(s.offset + s.length, hi)
+        first = a - s.offset
+        if b <= a:  # an empty storage
+            continue
+        addr, n, known = s.data.data_ptr() + first, b - a, s.host_crcs
+        if n < congruence or (addr - a) % congruence:  # not congruent: one staged extent
+            rows.append((a, addr, n, known.get((first, n)) if known else None, s, first))
+            continue
+        for off, ad, m in split_congruent(a, addr, n, congruence):
+            start = first + off - a
+            rows.append((off, ad, m, known.get((start, m)) if known else None, s, start))
+    rows.sort(key=_row_offset)
+    return rows
+
+
+def _row_offset(row: tuple) -> int:
+    return row[0]
 
 
 def split_congruent(offset: int, addr: int, length: int, congruence: int) -> list[tuple[int, int, int]]:
@@ -303,11 +313,17 @@ def combine_piece_crcs(plan: FilePlan, pieces: list[PieceCrc]) -> None:
 
 def tail_piece_crcs(plan: FilePlan) -> list[PieceCrc]:
     """CRCs of storage bytes that fall inside the tail range, computed before it is written."""
-    pieces = [p for p in plan.pieces(plan.tail_start, plan.file_size) if p.storage is not None]
-    staged = _stage_device_storages(pieces, RangeStats())
+    lo, hi = plan.tail_start, plan.file_size
+    storages = plan.storages_in(lo, hi)
+    staged = _stage_device_storages(storages, RangeStats())
     try:
-        return [PieceCrc(p.storage.record, p.storage_start, p.length, _native.crc32c_addr(_piece_addr(p), p.length))
-                for p in pieces]
+        out = []
+        for s in storages:
+            a, b = max(s.offset, lo), min(s.end, hi)
+            if b > a:
+                first = a - s.offset
+                out.append(PieceCrc(s.record, first, b - a, _native.crc32c_addr(s.data.data_ptr() + first, b - a)))
+        return out
     finally:
         _release(staged)
 
