@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import io
 import pickle
+import sys
 import threading
 import types
 import weakref
@@ -22,14 +23,15 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as _ser_config
 
+from .state_pickle import NotPlainState, StorageEntry, plain_cpu_tensor
+from .state_pickle import dumps as dumps_state
+
 _STORAGE_TYPES = (torch.storage.TypedStorage, torch.UntypedStorage)
 
 # torch's save config is process-global; serialise our patches of it.
 _CONFIG_LOCK = threading.Lock()
 
 _REBUILD_V2 = torch._utils._rebuild_tensor_v2
-_UNTYPED_DTYPES = frozenset(torch.storage._new_dtypes())  # torch pickles these through _rebuild_tensor_v3
-_CPU = torch.device("cpu")
 
 
 def fast_tensor_reduce(t: Any) -> Any:
@@ -38,16 +40,12 @@ def fast_tensor_reduce(t: Any) -> Any:
 
     torch's reduction of each tensor first runs a dozen checks for subclasses, fake,
     quantized, sparse, nested and device tensors, then builds its ``TypedStorage``
-    wrapper through an argument-checking constructor twice: most of the pickling time of
-    a state dict of thousands of small tensors. For the one case a state dict is made of
-    (exactly ``torch.Tensor``, strided, on the CPU, a legacy dtype, no Python attributes,
-    hooks, conjugate or negative bit) the result is the same tuple torch builds, so the
-    pickle is byte for byte torch's (tests compare the two); anything else takes torch's
-    own path.
+    wrapper through an argument-checking constructor twice. For the one case a state dict
+    is made of (:func:`state_pickle.plain_cpu_tensor`) the result is the same tuple torch
+    builds, so the pickle is byte for byte torch's (tests compare the two); anything else
+    takes torch's own path. Used where :func:`state_pickle.dumps` does not apply.
     """
-    if (type(t) is not torch.Tensor or t.device != _CPU or t.layout is not torch.strided
-            or t.is_quantized or t.is_nested or t.dtype in _UNTYPED_DTYPES
-            or t._backward_hooks or t.__dict__ or t.is_conj() or t.is_neg()):
+    if not plain_cpu_tensor(t):
         return NotImplemented
     # TypedStorage(wrap_storage=..., dtype=..., _internal=True) sets exactly these two.
     storage = object.__new__(torch.storage.TypedStorage)
@@ -69,6 +67,13 @@ class SparseFile(io.RawIOBase):
         self._segs: list[bytearray] = []
         self._pos = 0
         self._size = 0
+
+    @classmethod
+    def adopt(cls, starts: list[int], segs: list[bytearray], size: int) -> SparseFile:
+        """A file of these written segments (sorted, non-overlapping, non-empty) and size."""
+        f = cls()
+        f._starts, f._segs, f._size = starts, segs, size
+        return f
 
     # -- io.RawIOBase protocol -------------------------------------------------------
     def readable(self) -> bool:
@@ -197,6 +202,31 @@ class SparseFile(io.RawIOBase):
             i += 1
         return bytes(out)
 
+    def view(self, off: int, n: int) -> memoryview | bytes:
+        """The bytes of [off, off + n) without a copy where one written segment holds them
+        all (headers, gaps between storages); else as :meth:`pread`. Do not keep the view:
+        a segment cannot grow while one exists."""
+        i = bisect.bisect_right(self._starts, off) - 1
+        if i >= 0:
+            s = self._starts[i]
+            seg = self._segs[i]
+            if off + n <= s + len(seg):
+                return memoryview(seg)[off - s: off + n - s]
+        return self.pread(off, n)
+
+    def views_in(self, off: int, n: int) -> list[tuple[int, memoryview]]:
+        """:meth:`segments_in` without copies (same caveat as :meth:`view`)."""
+        out, end = [], off + n
+        i = max(0, bisect.bisect_right(self._starts, off) - 1)
+        starts, segs = self._starts, self._segs
+        while i < len(starts) and starts[i] < end:
+            s, b = starts[i], segs[i]
+            lo, hi = max(s, off), min(s + len(b), end)
+            if lo < hi:
+                out.append((lo - off, memoryview(b)[lo - s: hi - s]))
+            i += 1
+        return out
+
     def pwrite(self, off: int, data: bytes) -> None:
         self._put(off, data)
         self._size = max(self._size, off + len(data))
@@ -206,7 +236,7 @@ class _StorageRecorder:
     """Which storage got which record key in one torch.save (see :class:`_RecordingPickler`)."""
 
     def __init__(self, fast_tensors: bool = True) -> None:
-        self.storages: dict[str, tuple[torch.UntypedStorage, torch.dtype, int]] = {}
+        self.storages: dict[str, StorageEntry] = {}
         self.fast_tensors = fast_tensors
 
     def record(self, key: str, obj: Any) -> None:
@@ -262,12 +292,22 @@ _PICKLE_MODULE = types.SimpleNamespace(Pickler=_RecordingPickler, Unpickler=pick
                                        load=pickle.load)
 
 
-def capture(obj: Any, alignment: int, fast_tensors: bool = True
-            ) -> tuple[SparseFile, dict[str, tuple[torch.UntypedStorage, torch.dtype, int]]]:
-    """Run torch.save on ``obj`` with data skipped; return the skeleton and its storages by key.
+def capture(obj: Any, alignment: int, fast_tensors: bool = True, names: dict[int, tuple[str, str]] | None = None
+            ) -> tuple[SparseFile, dict[str, StorageEntry]]:
+    """torch.save's file for ``obj`` with data skipped: the skeleton and its storages by key.
 
-    ``fast_tensors=False``: every tensor through torch's own reduction (see
-    :func:`fast_tensor_reduce`; the tests compare the two)."""
+    A plain state (:mod:`.state_pickle`) is pickled by our own writer and laid out by
+    torch's zip writer; anything else runs torch.save itself under ``skip_data``, its
+    tensors reduced by :func:`fast_tensor_reduce`. ``fast_tensors=False``: torch.save and
+    torch's own reduction for everything (the tests compare the three). ``names`` is
+    filled as :func:`state_pickle.dumps` does where our writer ran, left alone otherwise."""
+    if fast_tensors:
+        try:
+            data, storages = dumps_state(obj, names)
+        except NotPlainState:
+            pass
+        else:
+            return _zip_skeleton(data, storages, alignment), storages
     sparse = SparseFile()
     recorder = _current.recorder = _StorageRecorder(fast_tensors)
     with _CONFIG_LOCK:
@@ -278,3 +318,53 @@ def capture(obj: Any, alignment: int, fast_tensors: bool = True
                 finally:
                     _current.recorder = None
     return sparse, recorder.storages
+
+
+class _SkeletonSink:
+    """The file object torch's zip writer writes a skeleton into.
+
+    The writer calls ``write`` four times per record (header, name, padding, data
+    descriptor) and ``seek`` over each storage's bytes; ``write`` is the current segment's
+    own ``bytearray.extend`` (the writer looks it up per call), so the thousands of small
+    writes of a large state cost no Python frame each.
+    """
+
+    def __init__(self) -> None:
+        self.starts = [0]
+        self.segs = [bytearray()]
+        self.write = self.segs[0].extend
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        if whence != io.SEEK_CUR or offset < 0:
+            raise ValueError(f"unexpected seek ({offset}, {whence}) from torch's zip writer")
+        end = self.starts[-1] + len(self.segs[-1])
+        if offset:
+            seg = bytearray()
+            self.starts.append(end + offset)
+            self.segs.append(seg)
+            self.write = seg.extend
+        return end + offset
+
+    def flush(self) -> None:
+        pass
+
+    def sparse_file(self) -> SparseFile:
+        keep = [i for i, seg in enumerate(self.segs) if seg]
+        return SparseFile.adopt([self.starts[i] for i in keep], [self.segs[i] for i in keep],
+                                self.starts[-1] + len(self.segs[-1]))
+
+
+def _zip_skeleton(data: bytes, storages: dict[str, StorageEntry], alignment: int) -> SparseFile:
+    """The records torch.save's ``_save`` writes, in its order, through torch's own zip
+    writer (CRCs off, as under our capture's config), storages skipped."""
+    sink = _SkeletonSink()
+    writer = torch._C.PyTorchFileWriter(sink, False, alignment)
+    writer.write_record("data.pkl", data, len(data))
+    writer.write_record(".format_version", "1", 1)
+    align = str(alignment)
+    writer.write_record(".storage_alignment", align, len(align))
+    writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for key, (_, _, nbytes) in storages.items():
+        writer.write_record_metadata(f"data/{key}", nbytes)
+    writer.write_end_of_file()
+    return sink.sparse_file()
