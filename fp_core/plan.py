@@ -30,14 +30,16 @@ def align_up(x: int, a: int) -> int:
 class StorageExtent:
     """A tensor's bytes at ``offset`` in the file (one zip record, or one safetensors tensor).
 
-    ``source`` is a flat uint8 view of exactly those bytes, on whatever device they live;
+    ``source`` is a flat uint8 view of exactly those bytes, on whatever device they live
+    (given as that tensor, or as the ``UntypedStorage`` itself: the view is made the
+    first time it is asked for, which a CPU save of small tensors never does);
     ``host``, when set, is a CPU copy taken earlier (a snapshot, a device staging copy)
     that the writer reads instead.
     """
 
     offset: int
     length: int
-    source: torch.Tensor
+    _source: torch.Tensor | torch.UntypedStorage
     record: int  # index into Manifest.records (or the tensor's index for safetensors)
     host: torch.Tensor | None = None
     # CRC-32C of ranges of the bytes to write, by (start, length) inside the storage,
@@ -53,8 +55,19 @@ class StorageExtent:
         return self.offset + self.length
 
     @property
+    def source(self) -> torch.Tensor:
+        src = self._source
+        if isinstance(src, torch.UntypedStorage):
+            src = self._source = byte_view(src)
+        return src
+
+    @source.setter
+    def source(self, tensor: torch.Tensor) -> None:
+        self._source = tensor
+
+    @property
     def on_cpu(self) -> bool:
-        return self.host is not None or self.source.device.type == "cpu"
+        return self.host is not None or self._source.device.type == "cpu"
 
     @property
     def data(self) -> torch.Tensor:
@@ -64,7 +77,7 @@ class StorageExtent:
 
     def addr(self) -> int:
         """Address of the bytes to write; valid only when ``on_cpu``."""
-        return self.data.data_ptr()
+        return (self.host if self.host is not None else self._source).data_ptr()
 
 
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -157,8 +170,10 @@ def build(obj: Any, alignment: int = 4096, congruent: bool = False) -> FilePlan:
 
 
 def _build(obj: Any, alignment: int, congruent: bool) -> FilePlan:
-    sparse, storages_by_key = capture(obj, alignment)
-    names = _tensor_names(obj)
+    names: dict[int, tuple[str, str]] = {}
+    sparse, storages_by_key = capture(obj, alignment, names=names)
+    if not names:  # torch's pickler ran: walk the object for them
+        names = _tensor_names(obj)
 
     # Read torch's records from the skeleton's central directory, then append ours.
     directory = ziptail.read_directory(sparse)
@@ -185,7 +200,7 @@ def _build(obj: Any, alignment: int, congruent: bool) -> FilePlan:
                 dtype_name = tensor_dtype
             rec = RecordInfo(entry.name, data_offset, nbytes, tensor=tensor, dtype=dtype_name, kind="storage")
             if nbytes:
-                storages.append(StorageExtent(data_offset, nbytes, byte_view(storage), len(records)))
+                storages.append(StorageExtent(data_offset, nbytes, storage, len(records)))
         else:
             rec = RecordInfo(entry.name, data_offset, entry.file_size, kind="record")
         records.append(rec)
@@ -223,10 +238,10 @@ def _checksum_skeleton_records(plan: FilePlan) -> None:
     covered = []
     for rec in plan.manifest.records:
         if rec.kind == "record":
-            rec.crc32c = _native.crc32c(plan.skeleton.pread(rec.offset, rec.size))
+            rec.crc32c = _native.crc32c(plan.skeleton.view(rec.offset, rec.size))
         covered.append((rec.offset, rec.offset + rec.size))
     plan.manifest.structure_crc32c = structure_crc(
-        covered, plan.manifest_header_offset, plan.skeleton.pread
+        covered, plan.manifest_header_offset, plan.skeleton.view
     )
 
 

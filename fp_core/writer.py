@@ -246,14 +246,24 @@ def _extents(plan: FilePlan, storages: list[StorageExtent], lo: int, hi: int, co
 
     One pass of plain tuples: a state dict of thousands of small tensors spends more
     here per tensor than the engine spends writing it."""
-    rows: list[tuple] = [(lo + rel, _bytes_addr(data, keep), len(data), None, None, 0)
-                         for rel, data in plan.skeleton.segments_in(lo, hi - lo)]
+    # The skeleton's bytes in the range, copied once into one buffer (thousands of
+    # segments, one per storage gap, need no object each).
+    views = plan.skeleton.views_in(lo, hi - lo)
+    blob = b"".join([v for _, v in views])
+    base = _bytes_addr(blob, keep) if blob else 0
+    rows: list[tuple] = []
+    at = 0
+    for rel, v in views:
+        n = len(v)
+        rows.append((lo + rel, base + at, n, None, None, 0))
+        at += n
+    del views
     for s in storages:
         a, b = max(s.offset, lo), min(s.offset + s.length, hi)
         first = a - s.offset
         if b <= a:  # an empty storage
             continue
-        addr, n, known = s.data.data_ptr() + first, b - a, s.host_crcs
+        addr, n, known = s.addr() + first, b - a, s.host_crcs
         if n < congruence or (addr - a) % congruence:  # not congruent: one staged extent
             rows.append((a, addr, n, known.get((first, n)) if known else None, s, first))
             continue
@@ -322,7 +332,7 @@ def tail_piece_crcs(plan: FilePlan) -> list[PieceCrc]:
             a, b = max(s.offset, lo), min(s.end, hi)
             if b > a:
                 first = a - s.offset
-                out.append(PieceCrc(s.record, first, b - a, _native.crc32c_addr(s.data.data_ptr() + first, b - a)))
+                out.append(PieceCrc(s.record, first, b - a, _native.crc32c_addr(s.addr() + first, b - a)))
         return out
     finally:
         _release(staged)

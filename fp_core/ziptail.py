@@ -35,6 +35,7 @@ class _Sparse(Protocol):
     def pwrite(self, off: int, data: bytes) -> None: ...
     def truncate(self, size: int | None = None) -> int: ...
     def segments_in(self, off: int, n: int) -> list[tuple[int, bytes]]: ...  # written parts, holes left out
+    def view(self, off: int, n: int) -> memoryview | bytes: ...  # pread, without a copy where it can
 
 
 @dataclass
@@ -110,7 +111,7 @@ def _zip64_fields(extra: bytes, usize: int, csize: int, lho: int) -> tuple[int, 
 
 
 def local_data_offset(f: _Sparse, header_offset: int) -> int:
-    fields = _LOCAL.unpack(f.pread(header_offset, _LOCAL.size))
+    fields = _LOCAL.unpack(f.view(header_offset, _LOCAL.size))
     if fields[0] != _LOCAL_SIG:
         raise ValueError(f"no zip local header at {header_offset}")
     return header_offset + _LOCAL.size + fields[9] + fields[10]
