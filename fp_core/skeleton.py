@@ -292,22 +292,25 @@ _PICKLE_MODULE = types.SimpleNamespace(Pickler=_RecordingPickler, Unpickler=pick
                                        load=pickle.load)
 
 
-def capture(obj: Any, alignment: int, fast_tensors: bool = True, names: dict[int, tuple[str, str]] | None = None
-            ) -> tuple[SparseFile, dict[str, StorageEntry]]:
+def capture(obj: Any, alignment: int, fast_tensors: bool = True, names: dict[int, tuple[str, str]] | None = None,
+            plain_alignment: int | None = None) -> tuple[SparseFile, dict[str, StorageEntry]]:
     """torch.save's file for ``obj`` with data skipped: the skeleton and its storages by key.
 
     A plain state (:mod:`.state_pickle`) is pickled by our own writer and laid out by
     torch's zip writer; anything else runs torch.save itself under ``skip_data``, its
     tensors reduced by :func:`fast_tensor_reduce`. ``fast_tensors=False``: torch.save and
     torch's own reduction for everything (the tests compare the three). ``names`` is
-    filled as :func:`state_pickle.dumps` does where our writer ran, left alone otherwise."""
+    filled as :func:`state_pickle.dumps` does where our writer ran, left alone otherwise.
+    ``plain_alignment``: the storage alignment where our writer ran (its tensors are all
+    on the CPU) and block padding would be a large share of the file (see
+    :func:`_storage_alignment`), instead of ``alignment``."""
     if fast_tensors:
         try:
             data, storages = dumps_state(obj, names)
         except NotPlainState:
             pass
         else:
-            return _zip_skeleton(data, storages, alignment), storages
+            return _zip_skeleton(data, storages, _storage_alignment(storages, alignment, plain_alignment)), storages
     sparse = SparseFile()
     recorder = _current.recorder = _StorageRecorder(fast_tensors)
     with _CONFIG_LOCK:
@@ -318,6 +321,18 @@ def capture(obj: Any, alignment: int, fast_tensors: bool = True, names: dict[int
                 finally:
                     _current.recorder = None
     return sparse, recorder.storages
+
+
+def _storage_alignment(storages: dict[str, StorageEntry], alignment: int, plain_alignment: int | None) -> int:
+    """``plain_alignment`` where padding each storage to ``alignment`` (half a block each,
+    on average) would add more than 1/32 to the bytes: a state of thousands of small
+    tensors. Otherwise blocks, where a storage that sits on a page in memory is written
+    without a staging copy. Sizes alone decide: the same state gets the same file in every
+    process (a collective save's ranks compare their layouts)."""
+    if not plain_alignment or not storages:
+        return alignment
+    total = sum(n for _, _, n in storages.values())
+    return plain_alignment if len(storages) * (alignment // 2) * 32 > total else alignment
 
 
 class _SkeletonSink:

@@ -73,7 +73,9 @@ def plain_cpu_tensor(t: Any) -> bool:
 def _storage_class(dtype: torch.dtype) -> tuple[Any, bytes, int]:
     entry = _STORAGE_CLASSES.get(dtype)
     if entry is None:
-        name = torch.storage._dtype_to_storage_type_map()[dtype]
+        name = torch.storage._dtype_to_storage_type_map().get(dtype)
+        if name is None:  # no legacy storage class: torch's own reduction decides
+            raise NotPlainState(f"a tensor of {dtype}")
         entry = _STORAGE_CLASSES[dtype] = (getattr(torch, name), f"ctorch\n{name}\n".encode(), dtype.itemsize)
     return entry
 

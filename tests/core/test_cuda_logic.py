@@ -332,6 +332,9 @@ def _batch_state() -> tuple[dict, list[torch.Tensor]]:
 
 def test_batches_cut_device_storages_at_storage_boundaries(monkeypatch):
     monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)
+    # A state with device tensors is not plain (state_pickle): torch's pickler lays it out
+    # block-aligned. Built from CPU tensors here, it must be laid out the same way.
+    monkeypatch.setattr(fp_core.plan, "PLAIN_STORAGE_ALIGNMENT", None)
     obj, dev = _batch_state()
     plan = build(obj, 4096)
     assert fp_core.writer._batches(plan, 0, plan.tail_start) == [(0, plan.tail_start)]  # all on the CPU: one
@@ -431,6 +434,7 @@ class _Staging:
 
 def test_write_single_holds_one_batch_of_device_staging_at_a_time(disk_dir, monkeypatch):
     monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(fp_core.plan, "PLAIN_STORAGE_ALIGNMENT", None)  # laid out as a device state is
     st = _Staging()
     monkeypatch.setattr(fp_core.writer, "copy_to_host", st.copy_to_host)
     monkeypatch.setattr(fp_core.writer, "_release", st.release)

@@ -207,4 +207,4 @@ def test_inspect_lists_records(disk_dir):
             assert info.header_offset + 30 + n + e == r["offset"], r
     for r in recs:
         if r["kind"] == "storage" and r["size"]:
-            assert r["offset"] % 4096 == 0, r  # storages are block aligned
+            assert r["offset"] % 64 == 0, r  # a plain state's storages sit on torch's own alignment

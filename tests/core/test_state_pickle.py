@@ -178,3 +178,33 @@ def test_the_pickle_loads_with_weights_only(tmp_path):
         assert torch.equal(got["model"][k], v)
     assert got["model"]._metadata == state["model"]._metadata
     assert pickle.loads(state_pickle.dumps({"x": [1, "a", 2.5]})[0]) == {"x": [1, "a", 2.5]}
+
+
+def test_a_plain_state_is_packed_on_torchs_alignment_and_loads_every_way(tmp_path):
+    import fp_core
+    from fp_core.plan import PLAIN_STORAGE_ALIGNMENT, build
+
+    torch.manual_seed(1)
+    state = {f"layer{i}.{k}": torch.randn(n) for i in range(300) for k, n in (("w", 37), ("b", 5))}
+    state["big"] = torch.randn(3 << 20)
+    packed = build(state, 4096)
+    offsets = [s.offset for s in packed.storages]
+    assert all(o % PLAIN_STORAGE_ALIGNMENT == 0 for o in offsets)
+    assert any(o % 4096 for o in offsets)  # not padded to blocks
+    param_state = dict(state, p=torch.nn.Parameter(torch.ones(2)))  # not plain: torch's pickler, block-aligned
+    assert all(s.offset % 4096 == 0 for s in build(param_state, 4096).storages)
+    assert packed.file_size < build(param_state, 4096).file_size - 300 * 4096
+    few_large = {"a": torch.randn(1 << 20), "b": torch.randn(300_001), "c": torch.randn(7)}
+    assert all(s.offset % 4096 == 0 for s in build(few_large, 4096).storages)  # padding is cheap: blocks
+    assert all(s.offset % 4096 == s.addr() % 4096 for s in build(state, 4096, congruent=True).storages
+               if s.length >= 4096)  # the async layout is unchanged
+
+    path = str(tmp_path / "packed.pt")
+    fp_core.save(state, path)
+    fp_core.verify(path)
+    for got in (torch.load(path, weights_only=True), torch.load(path, mmap=True, weights_only=True),
+                fp_core.load(path), fp_core.load(path, verify=True)):
+        assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+    into = {k: torch.zeros_like(v) for k, v in state.items()}
+    fp_core.load_into(into, path)
+    assert all(torch.equal(into[k], v) for k, v in state.items())
