@@ -157,11 +157,11 @@ def _tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, 
     return names
 
 
-# Storage alignment of a plan for a plain CPU state (state_pickle's): torch's own. Block
-# alignment buys such a file nothing (the engine stages every storage that is not congruent
-# with its address, and torch's tensors sit at page + 64, never on a block) and costs up to
-# a block of padding per tensor: a third more bytes to write, sync and free for a state
-# dict of thousands of small tensors.
+# Storage alignment of a plan for a plain CPU state (state_pickle's) of many small tensors:
+# torch's own. Block padding costs up to a block per tensor (a third more bytes to write,
+# sync and free for a state dict of thousands of small tensors) and buys little there:
+# the engine stages every storage that is not congruent with its address, and torch's
+# tensors sit at page + 64. skeleton._storage_alignment decides which states qualify.
 PLAIN_STORAGE_ALIGNMENT = 64
 
 
@@ -172,8 +172,9 @@ def build(obj: Any, alignment: int = 4096, congruent: bool = False) -> FilePlan:
     modulo ``alignment`` (torch's CPU tensors sit at page + 64), so the engine can write
     its block-aligned middle straight from the tensor with O_DIRECT, no staging copy.
     Otherwise storages start on :data:`PLAIN_STORAGE_ALIGNMENT` where the state is plain
-    (see :mod:`.state_pickle`: CPU tensors only), else on ``alignment``; either way the
-    file's own structure (tail, manifest) keeps ``alignment``.
+    (see :mod:`.state_pickle`: CPU tensors only) and block padding would add more than
+    1/32 to its bytes, else on ``alignment``; either way the file's own structure (tail,
+    manifest) keeps ``alignment``.
     """
     with gc_paused():  # see gc_pause: a full collection mid-pickle costs more than the pickle
         return _build(obj, alignment, congruent)
