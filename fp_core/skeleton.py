@@ -5,7 +5,10 @@ torch writes a checkpoint as a stored (uncompressed) zip. Under
 small records, but *seeks over* each storage's bytes. :class:`SparseFile` records those
 writes and seeks, so a 4 GiB checkpoint yields a skeleton of a few KiB plus a list of holes.
 Storage alignment is raised to the O_DIRECT block size so that every storage's bytes start
-on a block boundary and can be written straight from staging buffers.
+on a block boundary (a tensor that sits on a page in memory is then written without a
+copy), except for a plain state of many small tensors, where that padding would be a large
+share of the file (:func:`_storage_alignment`). A plain state is pickled by
+:mod:`.state_pickle` rather than torch's pickler, into the same bytes.
 """
 
 from __future__ import annotations
