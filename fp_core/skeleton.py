@@ -180,15 +180,7 @@ class SparseFile(io.RawIOBase):
 
     def segments_in(self, off: int, n: int) -> list[tuple[int, bytes]]:
         """The written parts of [off, off + n) as ``(offset relative to off, bytes)``."""
-        out, end = [], off + n
-        i = max(0, bisect.bisect_right(self._starts, off) - 1)
-        while i < len(self._starts) and self._starts[i] < end:
-            s, b = self._starts[i], self._segs[i]
-            lo, hi = max(s, off), min(s + len(b), end)
-            if lo < hi:
-                out.append((lo - off, bytes(b[lo - s: hi - s])))
-            i += 1
-        return out
+        return [(rel, bytes(v)) for rel, v in self.views_in(off, n)]
 
     def pread(self, off: int, n: int) -> bytes:
         end = off + n

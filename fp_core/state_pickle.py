@@ -81,16 +81,15 @@ def _storage_class(dtype: torch.dtype) -> tuple[Any, bytes, int]:
 
 
 class _Writer:
-    __slots__ = ("out", "memo", "n", "storages", "keys", "dtypes", "keep", "ints_cache", "trail", "names")
+    __slots__ = ("out", "memo", "n", "storages", "keys", "dtypes", "ints_cache", "trail", "names")
 
     def __init__(self) -> None:
         self.out = bytearray(_PROTO2)
         self.memo: dict[int, int] = {}  # id(object) -> memo index, as the C pickler's memo
         self.n = 0  # the next memo index
         self.storages: dict[str, StorageEntry] = {}  # record key -> storage, in torch's order
-        self.keys: dict[int, str] = {}  # storage _cdata -> record key (torch's id_map)
+        self.keys: dict[int, str] = {}  # storage _cdata -> record key (torch's id_map; keeps the keys, memoised by id, alive)
         self.dtypes: dict[int, torch.dtype] = {}  # data_ptr -> dtype (torch's storage_dtypes)
-        self.keep: list[Any] = []  # objects memoised by id that the state does not hold itself
         self.ints_cache: dict[tuple, bytes] = {}
         self.trail: list[tuple[int, Any]] = []  # (kind, dict key or index) down to the object being saved
         self.names: dict[int, tuple[str, str]] = {}  # storage _cdata -> (path of its first tensor, dtype)
@@ -118,11 +117,6 @@ class _Writer:
             return False
         self.out += _GETS[i] if i < 256 else _PUT4(b"j", i)
         return True
-
-    def global_(self, obj: Any, opcode: bytes) -> None:
-        if not self.recall(obj):
-            self.out += opcode
-            self.remember(obj)
 
     # -- objects ---------------------------------------------------------------------
     def save(self, obj: Any) -> None:
@@ -246,8 +240,7 @@ class _Writer:
 
     def ordered_dict(self, obj: OrderedDict) -> None:
         # OrderedDict.__reduce__: (OrderedDict, (), __dict__ or None, None, iter(items)).
-        self.global_(OrderedDict, _GLOBAL_ORDERED_DICT)
-        self.out += _EMPTY_TUPLE + _REDUCE
+        self.out += self.ref(OrderedDict, _GLOBAL_ORDERED_DICT) + _EMPTY_TUPLE + _REDUCE
         self.remember(obj)
         # The generic (iterator) loop: a batch of one item is a SETITEM, and no empty batch.
         items = list(obj.items())
@@ -304,7 +297,6 @@ class _Writer:
             key = self.keys[cdata] = str(len(self.keys))  # torch's id_map numbering
             self.storages[key] = (storage, dtype, nbytes)
             self.names[cdata] = (self.path(), str(dtype).removeprefix("torch."))
-            self.keep.append(key)
             key_data = key.encode()
             key_first = _STR_HEAD(b"X", len(key_data)) + key_data
         else:
