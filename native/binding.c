@@ -600,6 +600,104 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
     return result;
 }
 
+/* pieces: a sequence of (file_offset, addr, length) -> a PyMem array, or NULL with an
+ * exception set */
+static fp_piece_t *parse_pieces(PyObject *seq_in, int *n_out)
+{
+    PyObject *seq = PySequence_Fast(seq_in, "pieces must be a sequence of (file_offset, addr, length) tuples");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > INT_MAX / 2) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many pieces");
+        return NULL;
+    }
+    fp_piece_t *out = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(fp_piece_t));
+    if (!out) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        unsigned long long addr;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+            PyErr_Format(PyExc_TypeError, "piece %zd must be a (file_offset, addr, length) tuple", i);
+            goto fail;
+        }
+        if (!PyArg_ParseTuple(item, "LKL;each piece must be a (file_offset, addr, length) tuple of ints",
+                              &out[i].off, &addr, &out[i].len))
+            goto fail;
+        out[i].addr = addr;
+    }
+    Py_DECREF(seq);
+    *n_out = (int)n;
+    return out;
+fail:
+    PyMem_Free(out);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyObject *Reader_read_scatter(ReaderObject *self, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"pieces", "checksum", "threads", "chunk_bytes", "gap", NULL};
+    PyObject *pieces_obj;
+    ll gap = 256 * 1024;
+    fp_read_options_t o;
+    fp_read_options_default(&o);
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|$piLL", kwlist, &pieces_obj, &o.checksum, &o.threads,
+                                     &o.chunk_bytes, &gap))
+        return NULL;
+    int n = 0;
+    /* parsed before the busy check: parsing may run Python code (and let another thread in) */
+    fp_piece_t *pieces = parse_pieces(pieces_obj, &n);
+    if (!pieces)
+        return NULL;
+    uint32_t *crcs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(uint32_t));
+    if (!crcs) {
+        PyMem_Free(pieces);
+        return PyErr_NoMemory();
+    }
+    if (self->rd.fd < 0 || self->busy) {
+        PyErr_SetString(self->rd.fd < 0 ? PyExc_ValueError : PyExc_RuntimeError,
+                        self->rd.fd < 0 ? "I/O operation on closed Reader" : "Reader is in use by another thread");
+        PyMem_Free(pieces);
+        PyMem_Free(crcs);
+        return NULL;
+    }
+    char msg[FP_MSG_MAX];
+    ll fsize;
+    int rc;
+    self->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fp_reader_scatter(&self->rd, pieces, n, &o, gap, crcs, &fsize, msg, sizeof msg);
+    Py_END_ALLOW_THREADS
+    self->busy = 0;
+    PyObject *result = NULL;
+    if (rc == FP_EOF)
+        PyErr_Format(PyExc_EOFError, "%R: a scatter read reaches past end of file (size %lld)", self->path, fsize);
+    else if (rc > 0)
+        raise_io_error(rc, self->path, 0);
+    else if (rc)
+        raise_engine(rc, msg, self->path);
+    else {
+        result = PyList_New(n);
+        for (int i = 0; result && i < n; i++) {
+            PyObject *v = PyLong_FromUnsignedLong(crcs[i]);
+            if (!v) {
+                Py_CLEAR(result);
+                break;
+            }
+            PyList_SET_ITEM(result, i, v);
+        }
+    }
+    PyMem_Free(pieces);
+    PyMem_Free(crcs);
+    return result;
+}
+
 static PyObject *Reader_close(ReaderObject *self, PyObject *unused)
 {
     if (self->busy) {
@@ -642,6 +740,13 @@ static PyMethodDef Reader_methods[] = {
      "destination is unmapped under a read the kernel makes into it.\n"
      "ranges: (offset, length) pairs inside the read, sorted and disjoint; then the result\n"
      "is (crc, [CRC-32C of each range]), each computed on the read threads as its bytes land."},
+    {"read_scatter", (PyCFunction)(void (*)(void))Reader_read_scatter, METH_VARARGS | METH_KEYWORDS,
+     "read_scatter(pieces, *, checksum=False, threads=2, chunk_bytes=4<<20, gap=256<<10) -> [crc]\n\n"
+     "Read each (file_offset, addr, length) piece (sorted by file_offset, each at most chunk_bytes)\n"
+     "into memory at addr.  Pieces at most gap bytes apart are read together, one request of up\n"
+     "to a chunk through a staging buffer, and copied out: thousands of small tensors cost a few\n"
+     "requests, not one each.  Returns each piece's CRC-32C (0s without checksum).  EOFError\n"
+     "when a piece reaches past the end; OSError(EFAULT) when a destination is unmapped."},
     {"close", (PyCFunction)Reader_close, METH_NOARGS, "close(); idempotent"},
     {"fileno", (PyCFunction)Reader_fileno, METH_NOARGS, NULL},
     {"__enter__", (PyCFunction)Reader_enter, METH_NOARGS, NULL},

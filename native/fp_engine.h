@@ -255,6 +255,20 @@ void fp_reader_close(fp_reader_t *r);
 int fp_reader_read(fp_reader_t *r, ll off, uint64_t addr, ll len, const fp_read_options_t *o, uint32_t *crc,
                    ll *file_size, char *msg, size_t cap);
 
+/* One piece of a scatter read: len bytes of the file at off into memory at addr. */
+typedef struct {
+    ll off;
+    uint64_t addr;
+    ll len;
+} fp_piece_t;
+
+/* Read n pieces (sorted by file offset, each at most o->chunk_bytes; they may overlap in
+ * the file) into memory at their addresses on o->threads threads: pieces whose gaps are at
+ * most gap bytes are read together in one request of up to a chunk.  crcs[i]: the CRC-32C
+ * of piece i with o->checksum, else 0 (o->ranges is not used).  Returns as fp_reader_read. */
+int fp_reader_scatter(fp_reader_t *r, const fp_piece_t *p, int n, const fp_read_options_t *o, ll gap,
+                      uint32_t *crcs, ll *file_size, char *msg, size_t cap);
+
 /* ---------------------------------------------------------------- small helpers */
 
 static inline double fp_now(void)

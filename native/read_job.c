@@ -37,16 +37,16 @@ typedef struct {
 } rjob_t;
 
 /* pread until [0, need) of the chunk is there; returns 0, errno or FP_EOF */
-static int pread_full(rjob_t *rj, char *buf, ll file_off, ll need, ll cap)
+static int pread_full(int fd, int direct, ll align, char *buf, ll file_off, ll need, ll cap)
 {
     ll got = 0;
     while (got < need) {
-        ll pos = rj->direct ? fp_align_down(got, rj->align) : got;
+        ll pos = direct ? fp_align_down(got, align) : got;
         ll want = cap - pos;
         int fe = fp_fault_read(file_off + pos, want);
         if (fe)
             return fe;
-        ssize_t r = pread(rj->fd, buf + pos, (size_t)want, file_off + pos);
+        ssize_t r = pread(fd, buf + pos, (size_t)want, file_off + pos);
         if (r < 0) {
             if (errno == EINTR || errno == EAGAIN)
                 continue;
@@ -82,7 +82,7 @@ static void *read_main(void *arg)
         if (rj->direct && ws == cs && we == ce && (chunk_addr % (uintptr_t)rj->mem_align) == 0) {
             /* the caller's memory is aligned like the file here: no staging copy */
             char *dst_chunk = rj->dst + (cs - rj->off);
-            err = pread_full(rj, dst_chunk, cs, ce - cs, ce - cs);
+            err = pread_full(rj->fd, rj->direct, rj->align, dst_chunk, cs, ce - cs, ce - cs);
             if (!err && rj->checksum)
                 rj->crcs[k] = fp_crc32c(0, dst_chunk, (size_t)(ce - cs));
         } else if (rj->direct) {
@@ -92,7 +92,7 @@ static void *read_main(void *arg)
                 err = fp_pool_get(&buf, (size_t)sz, (size_t)rj->mem_align);
             }
             if (!err)
-                err = pread_full(rj, buf.p, cs, we - cs, ce - cs);
+                err = pread_full(rj->fd, rj->direct, rj->align, buf.p, cs, we - cs, ce - cs);
             if (!err)
                 rj->crcs[k] = fp_copy_crc_cached(rj->dst + (ws - rj->off), (char *)buf.p + (ws - cs),
                                        (size_t)(we - ws), 0, rj->checksum);
@@ -101,7 +101,7 @@ static void *read_main(void *arg)
             for (ll p = ws; p < we && !err; p += BUFFERED_READ_PIECE) {
                 ll n = we - p < BUFFERED_READ_PIECE ? we - p : BUFFERED_READ_PIECE;
                 char *d = rj->dst + (p - rj->off);
-                err = pread_full(rj, d, p, n, n);
+                err = pread_full(rj->fd, rj->direct, rj->align, d, p, n, n);
                 if (!err && rj->checksum)
                     c = fp_crc32c(c, d, (size_t)n);
             }
@@ -376,4 +376,196 @@ int fp_reader_read(fp_reader_t *r, ll off, uint64_t addr, ll len, const fp_read_
     free_pieces(&rj);
     *crc = rj.err ? 0 : c;
     return rj.err;
+}
+
+/* ---------------------------------------------------------------- scatter reads */
+
+/* Many small pieces of a file into memory at their own addresses: pieces near each other
+ * in the file are read together, one aligned read per group into a staging buffer, and
+ * copied out to their addresses; a group of one aligned piece goes straight in.  Where
+ * a read per piece pays a device round trip each (thousands of small tensors), a group
+ * pays one per few MiB. */
+typedef struct {
+    int fd, direct, checksum;
+    ll align, mem_align, cap;
+    const fp_piece_t *p;
+    const int *gfirst; /* group g: pieces [gfirst[g], gfirst[g + 1]) */
+    int ngroups, next;
+    uint32_t *crcs;
+    int err;
+    pthread_mutex_t mu;
+} sjob_t;
+
+static int scatter_group(sjob_t *sj, fp_sbuf_t *buf, int first, int last)
+{
+    const fp_piece_t *p = sj->p;
+    ll lo = fp_align_down(p[first].off, sj->align), hi = 0;
+    int filled = 0;
+    for (int i = first; i < last; i++)
+        if (p[i].len > 0) { /* empty pieces after the group's own read nothing */
+            filled++;
+            if (p[i].off + p[i].len > hi)
+                hi = p[i].off + p[i].len;
+        }
+    if (filled == 1 && sj->direct && p[first].off % sj->align == 0 && p[first].len % sj->align == 0 &&
+        (p[first].addr - (uint64_t)p[first].off) % (uint64_t)sj->mem_align == 0) {
+        /* aligned like the file: no staging copy */
+        char *dst = (char *)(uintptr_t)p[first].addr;
+        int err = pread_full(sj->fd, 1, sj->align, dst, p[first].off, p[first].len, p[first].len);
+        if (!err && sj->checksum)
+            sj->crcs[first] = fp_crc32c(0, dst, (size_t)p[first].len);
+        return err;
+    }
+    if (!buf->p) {
+        int err = fp_pool_get(buf, (size_t)sj->cap, (size_t)sj->mem_align);
+        if (err)
+            return err;
+    }
+    int err = pread_full(sj->fd, sj->direct, sj->align, buf->p, lo, hi - lo, fp_align_up(hi, sj->align) - lo);
+    for (int i = first; i < last && !err; i++)
+        if (p[i].len > 0)
+            sj->crcs[i] = fp_copy_crc_cached((char *)(uintptr_t)p[i].addr, (char *)buf->p + (p[i].off - lo),
+                                         (size_t)p[i].len, 0, sj->checksum);
+    return err;
+}
+
+static void *scatter_main(void *arg)
+{
+    sjob_t *sj = arg;
+    fp_sbuf_t buf = {NULL, 0, 0, 0};
+    for (;;) {
+        pthread_mutex_lock(&sj->mu);
+        if (sj->err || sj->next >= sj->ngroups) {
+            pthread_mutex_unlock(&sj->mu);
+            break;
+        }
+        int g = sj->next++;
+        pthread_mutex_unlock(&sj->mu);
+        int err = scatter_group(sj, &buf, sj->gfirst[g], sj->gfirst[g + 1]);
+        if (err) {
+            pthread_mutex_lock(&sj->mu);
+            if (!sj->err)
+                sj->err = err;
+            pthread_mutex_unlock(&sj->mu);
+            break;
+        }
+    }
+    fp_pool_put(&buf);
+    return NULL;
+}
+
+int fp_reader_scatter(fp_reader_t *r, const fp_piece_t *p, int n, const fp_read_options_t *o, ll gap,
+                      uint32_t *crcs, ll *file_size, char *msg, size_t cap)
+{
+    msg[0] = 0;
+    *file_size = -1;
+    for (int i = 0; i < n; i++)
+        crcs[i] = 0;
+    if (r->fd < 0)
+        return EBADF;
+    ll align = r->direct ? r->alignment : 1;
+    ll chunk = r->direct ? fp_align_up(o->chunk_bytes, r->alignment) : o->chunk_bytes;
+    if (o->threads < 1 || o->threads > 64) {
+        snprintf(msg, cap, "threads must be in [1, 64], got %d", o->threads);
+        return FP_EARG;
+    }
+    if (o->chunk_bytes < 4096 || o->chunk_bytes > (1LL << 30)) {
+        snprintf(msg, cap, "chunk_bytes must be in [4096, 1 GiB], got %lld", o->chunk_bytes);
+        return FP_EARG;
+    }
+    if (gap < 0) {
+        snprintf(msg, cap, "gap must be >= 0, got %lld", gap);
+        return FP_EARG;
+    }
+    ll max_end = 0;
+    for (int i = 0; i < n; i++) {
+        ll end;
+        if (p[i].off < 0 || p[i].len < 0 || fp_end_of(p[i].off, p[i].len, &end) ||
+            end > LLONG_MAX - 2 * align) {
+            snprintf(msg, cap, "piece %d: invalid read (file_offset=%lld, length=%lld)", i, p[i].off, p[i].len);
+            return FP_EARG;
+        }
+        if (p[i].len > chunk) {
+            snprintf(msg, cap, "piece %d: length %lld is over chunk_bytes (%lld)", i, p[i].len, chunk);
+            return FP_EARG;
+        }
+        if (p[i].len > 0 && (p[i].addr == 0 || !fp_addr_range_ok(p[i].addr, p[i].len))) {
+            snprintf(msg, cap, "piece %d: invalid destination addr=%#llx for %lld bytes", i,
+                     (unsigned long long)p[i].addr, p[i].len);
+            return FP_EARG;
+        }
+        if (i && p[i].off < p[i - 1].off) {
+            snprintf(msg, cap, "piece %d (file_offset %lld) comes before piece %d (%lld): pieces must be sorted "
+                     "by file offset", i, p[i].off, i - 1, p[i - 1].off);
+            return FP_EARG;
+        }
+        if (end > max_end)
+            max_end = end;
+    }
+    /* The end of file first: a length from a damaged or hostile file is an EOF before
+     * anything is sized by it. */
+    struct stat st;
+    if (fstat(r->fd, &st) < 0)
+        return errno;
+    if (max_end > st.st_size) {
+        *file_size = st.st_size;
+        return FP_EOF;
+    }
+    /* Groups: a piece joins the group before it while the group's aligned span stays
+     * within chunk + 2 blocks (what one piece of chunk bytes can span) and the bytes read
+     * for nothing between them stay within gap.  Empty pieces belong to no group. */
+    int *gfirst = malloc(((size_t)n + 1) * sizeof(int));
+    if (!gfirst)
+        return FP_ENOMEM;
+    ll span_max = chunk + 2 * align;
+    int ng = 0;
+    ll glo = 0, ghi = 0;
+    for (int i = 0; i < n; i++) {
+        if (p[i].len == 0)
+            continue;
+        ll end = p[i].off + p[i].len;
+        ll nhi = end > ghi ? end : ghi;
+        if (ng && p[i].off - ghi <= gap && fp_align_up(nhi, align) - glo <= span_max) {
+            ghi = nhi;
+            continue;
+        }
+        gfirst[ng++] = i;
+        glo = fp_align_down(p[i].off, align);
+        ghi = end;
+    }
+    /* a group runs to the next group's first piece (empty pieces inside it copy nothing) */
+    gfirst[ng] = n;
+    sjob_t sj;
+    memset(&sj, 0, sizeof sj);
+    sj.fd = r->fd;
+    sj.direct = r->direct;
+    sj.checksum = o->checksum;
+    sj.align = align;
+    sj.mem_align = r->mem_alignment;
+    sj.cap = span_max;
+    sj.p = p;
+    sj.gfirst = gfirst;
+    sj.ngroups = ng;
+    sj.crcs = crcs;
+    pthread_mutex_init(&sj.mu, NULL);
+    int nthr = o->threads < ng ? o->threads : ng;
+    pthread_t t[64];
+    int nt = 0;
+    for (int i = 1; i < nthr; i++) {
+        if (fp_spawn(&t[nt], scatter_main, &sj) != 0)
+            break; /* fewer threads is fine */
+        nt++;
+    }
+    if (ng)
+        scatter_main(&sj);
+    for (int i = 0; i < nt; i++)
+        pthread_join(t[i], NULL);
+    if (sj.err == FP_EOF && fstat(r->fd, &st) == 0) /* the file shrank meanwhile */
+        *file_size = st.st_size;
+    pthread_mutex_destroy(&sj.mu);
+    free(gfirst);
+    if (sj.err)
+        for (int i = 0; i < n; i++)
+            crcs[i] = 0;
+    return sj.err;
 }

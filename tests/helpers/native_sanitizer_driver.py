@@ -296,6 +296,25 @@ def check_reads() -> None:
             raises(ValueError, r.read_into, 0, out.ctypes.data, 1, threads=0)
             raises(ValueError, r.read_into, 0, out.ctypes.data, 1, chunk_bytes=1)
             assert r.read_into(BIG, out.ctypes.data, 0) == 0
+            # scatter reads: grouped, overlapping, empty, aligned-alone pieces; refusals
+            offs = sorted(int(x) for x in rng.integers(0, total - 64 * KiB, size=60)) + [total - 3, total]
+            lens = [int(rng.choice([0, 1, 4096, 5000, 64 * KiB])) for _ in offs[:-2]] + [3, 0]
+            outs = [np.zeros(n + 8, dtype=np.uint8) for n in lens]
+            al = aligned(2 * A)[:A]
+            pieces = [(o, out.ctypes.data + 3, n) for o, n, out in zip(offs, lens, outs)]
+            pieces.insert(0, (0, al.ctypes.data, A))
+            outs.insert(0, None)
+            for gap in (0, 64 * KiB):
+                crcs = r.read_scatter(pieces, checksum=True, threads=3, chunk_bytes=64 * KiB, gap=gap)
+                for (o, _, n), out, crc in zip(pieces, outs, crcs):
+                    got = al if out is None else out[3 : 3 + n]
+                    assert np.array_equal(got, data[o : o + n]) and crc == N.crc32c(data[o : o + n])
+            raises(EOFError, r.read_scatter, [(total - 5, out.ctypes.data, 10)])
+            for bad in ([(BIG, out.ctypes.data, 1)], [(BIG - 100, out.ctypes.data, 100)], [(-1, out.ctypes.data, 1)], [(0, 0, 1)],
+                        [(0, 2**64 - 4096, 8192)], [(5, out.ctypes.data, 1), (4, out.ctypes.data, 1)]):
+                raises(ValueError, r.read_scatter, bad)
+            raises(ValueError, r.read_scatter, [(0, out.ctypes.data, 8192)], chunk_bytes=4096)
+            raises(ValueError, r.read_scatter, [], threads=0)
     raises(FileNotFoundError, N.Reader, os.path.join(WORK, "missing"))
 
 

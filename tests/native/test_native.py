@@ -508,6 +508,80 @@ def test_huge_page_staging_off_writes_the_same_bytes(tmp_path):
     assert out["0"] == out["1"] == expected
 
 
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("gap", [0, 4 * KiB, 256 * KiB])
+def test_read_scatter_roundtrip(tmp_path, direct, gap):
+    """Pieces of every size and alignment, overlapping and empty ones among them, land
+    byte-exact at their own addresses with their own CRCs, however they are grouped."""
+    total = 6 * MiB + 777
+    path, data = random_file(tmp_path / "s.bin", total, seed=29)
+    rng = np.random.default_rng(5)
+    chunk = 1 * MiB
+    offs = sorted(int(x) for x in rng.integers(0, total - chunk, size=300))
+    lens = [int(rng.choice([0, 1, 63, 4096, 5000, 70 * KiB, chunk])) for _ in offs]
+    offs += [total - 10, total]  # the file's last bytes, and an empty piece at its end
+    lens += [10, 0]
+    outs = [np.full(n + 7, 0xEE, dtype=np.uint8) for n in lens]
+    pieces = [(o, out.ctypes.data + 3, n) for o, n, out in zip(offs, lens, outs)]
+    with _native.Reader(str(path), direct=direct) as r:
+        crcs = r.read_scatter(pieces, checksum=True, threads=3, chunk_bytes=chunk, gap=gap)
+        assert r.read_scatter(pieces, threads=2, chunk_bytes=chunk, gap=gap) == [0] * len(pieces)
+    for (o, _, n), out, crc in zip(pieces, outs, crcs):
+        assert out[3:3 + n].tobytes() == data[o:o + n].tobytes()
+        assert crc == _native.crc32c(data[o:o + n])
+        assert (out[:3] == 0xEE).all() and (out[3 + n:] == 0xEE).all()  # nothing around it written
+
+
+def test_read_scatter_aligned_piece_goes_straight_in(tmp_path):
+    """A piece aligned like the file, alone in its group, is read without staging: the
+    kernel writes the destination itself (an unmapped one is its EFAULT, not a crash)."""
+    n = 256 * KiB
+    path, data = random_file(tmp_path / "a.bin", 2 * n, seed=31)
+    with _native.Reader(str(path), direct=True) as r:
+        if not r.direct or r.mem_alignment > 4096:
+            pytest.skip("no O_DIRECT read into page-aligned memory here")
+        raw = np.zeros(n + 4096, dtype=np.uint8)
+        dst = raw[(-raw.ctypes.data) % 4096:][:n]
+        assert r.read_scatter([(n, dst.ctypes.data, n)], checksum=True, chunk_bytes=n) == [_native.crc32c(data[n:])]
+        assert dst.tobytes() == data[n:].tobytes()
+        m, hole = _unmapped_hole(n)
+        try:
+            with pytest.raises(OSError) as ei:
+                r.read_scatter([(0, hole, n)], chunk_bytes=n)
+            assert ei.value.errno == errno.EFAULT and ei.value.filename == str(path)
+        finally:
+            m.close()
+
+
+def test_read_scatter_refuses_bad_pieces(tmp_path):
+    path, data = random_file(tmp_path / "b.bin", 100 * KiB, seed=37)
+    out = np.zeros(200 * KiB, dtype=np.uint8)
+    a = out.ctypes.data
+    with _native.Reader(str(path)) as r:
+        with pytest.raises(EOFError, match="b.bin"):
+            r.read_scatter([(0, a, 10), (90 * KiB, a, 10 * KiB + 1)])
+        with pytest.raises(ValueError, match="sorted"):
+            r.read_scatter([(10, a, 1), (5, a, 1)])
+        with pytest.raises(ValueError, match="over chunk_bytes"):
+            r.read_scatter([(0, a, 64 * KiB + 1)], chunk_bytes=64 * KiB)
+        with pytest.raises(ValueError, match="piece 0: invalid"):
+            r.read_scatter([(-1, a, 1)])
+        with pytest.raises(ValueError, match="destination"):
+            r.read_scatter([(0, 0, 1)])
+        with pytest.raises(ValueError, match="gap"):
+            r.read_scatter([(0, a, 1)], gap=-1)
+        with pytest.raises(TypeError, match="piece 1"):
+            r.read_scatter([(0, a, 1), (1, a)])
+        assert (out == 0).all()  # nothing read by a refused call
+        _native.inject_fault("read", errno=errno.EIO, after_bytes=0)
+        with pytest.raises(OSError) as ei:
+            r.read_scatter([(0, a, 10)])
+        assert ei.value.errno == errno.EIO and str(path) in str(ei.value)
+        assert r.read_scatter([]) == []
+    with pytest.raises(ValueError, match="closed"):
+        r.read_scatter([(0, a, 1)])
+
+
 def test_reader_past_eof_and_read_fault(tmp_path):
     path = tmp_path / "small.bin"
     path.write_bytes(b"x" * 10000)
