@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _native
+from . import _native, plain_unpickle
 from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_records_against_zip, check_structure
 from .manifest import STRUCTURE, RecordInfo
@@ -214,11 +214,17 @@ def storage_records(cf: CheckpointFile, view: ManifestView | None) -> dict[int, 
     """Data offset -> size of every ``<archive>/data/<key>`` record (checked to lie in the file)."""
     if view is not None:
         return {r.offset: r.size for r in view.manifest.records if r.kind == "storage"}
-    out = {}
+    infos = storage_entries(cf)
+    return {off: info.file_size for info, off in zip(infos, cf.data_offsets(infos))}
+
+
+def storage_entries(cf: CheckpointFile) -> list[zipfile.ZipInfo]:
+    """The zip's ``<archive>/data/<key>`` entries (stored, not compressed)."""
+    out = []
     for info in cf.zip_directory()[0]:
         parts = info.filename.split("/")
         if len(parts) == 3 and parts[1] == "data" and info.compress_type == zipfile.ZIP_STORED:
-            out[cf.data_offset(info)] = info.file_size
+            out.append(info)
     return out
 
 
@@ -248,6 +254,17 @@ def unpickle(zf: Any, map_location: Any, weights_only: bool, slices: Any, path: 
                                      "only if you trust the file's source.") from None
 
 
+def _cpu_slices_at(zf: Any, slices: _RecordSlices) -> plain_unpickle.StorageAt:
+    """Storages saved from the CPU, as slices of the file's buffer (what torch's unpickler
+    makes of them with ``map_location`` None or the CPU); others are not plain here."""
+    def storage_at(key: str, nbytes: int, location: str) -> torch.UntypedStorage:
+        if location != "cpu":
+            raise plain_unpickle.NotPlain(location)
+        start = zf.get_record_offset(f"data/{key}")
+        return slices[start:start + nbytes]
+    return storage_at
+
+
 def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any, weights_only: bool | None) -> Any:
     """torch.load of ``cf`` read whole (see the module); ``NotImplemented`` for a TorchScript
     archive, which ``torch.load`` must handle. With ``view`` (verify), every storage
@@ -266,7 +283,9 @@ def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any,
         with _MemoryFile(cf.image) as f, torch.serialization._open_zipfile_reader(f) as zf:
             if torch.serialization._is_torchscript_zip(zf):
                 return NotImplemented
-            obj = unpickle(zf, map_location, wo, slices, cf.path)
+            obj = plain_unpickle.unpickle(zf, _cpu_slices_at(zf, slices))
+            if obj is NotImplemented:
+                obj = unpickle(zf, map_location, wo, slices, cf.path)
         slices.check(storage_records(cf, view))
         return obj
     finally:

@@ -14,21 +14,19 @@ host copy of its record.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import file_image, loader
+from . import _native, file_image, loader, plain_unpickle
 from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
 from .loader import FastReader
 
 READ_THREADS = file_image.READ_THREADS
-_SPLIT_BYTES = 64 << 20  # one tensor this large is itself read by several threads
+_PIECE_BYTES = 4 << 20  # the scatter read's chunk: fills are cut at its multiples in the file
 
 
 @dataclass
@@ -102,8 +100,12 @@ def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
     return saved  # numbers, strings, ...: the file's
 
 
-class _Readers(threading.local):
-    reader: Any = None
+def _under_archive(cf: CheckpointFile, entries: list[Any], offsets: list[int]) -> dict[str, int]:
+    """Record name under the archive (``data/<key>``) -> data offset, for the archive torch
+    reads: the folder of the zip's first entry (its zip reader's rule)."""
+    archive = cf.zip_directory()[0][0].filename.partition("/")[0]
+    return {name: off for i, off in zip(entries, offsets)
+            for a, _, name in [i.filename.partition("/")] if a == archive}
 
 
 def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
@@ -133,17 +135,52 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
             view = read_manifest(cf)
             check_structure(cf, view)  # the pickle and headers before they are unpickled
         wo = file_image.resolve_weights_only(weights_only)
-        with FastReader(cf) as f, torch.serialization._open_zipfile_reader(f) as zf:
-            saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
+        # every storage's data offset, its local header read in one scatter read
+        entries = file_image.storage_entries(cf)
+        offsets = cf.data_offsets(entries)
+        sizes = {off: info.file_size for info, off in zip(entries, offsets)}
+        with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
+            saved = plain_unpickle.unpickle(zf, plain_unpickle.meta_storage_at(_under_archive(cf, entries, offsets)))
+            if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
+                f.prefetch_small_reads()
+                saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
         fills: list[_Fill] = []
         result = _match(saved, target, "", fills)
-        _read_fills(cf, view, fills)
+        _read_fills(cf, view, fills, sizes)
     return result
 
 
-def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill]) -> None:
+def _scatter(reader: Any, fills: list[_Fill], checksum: bool) -> list[int]:
+    """Read every fill into its target in one native scatter read; the CRC-32C of each
+    fill's bytes (0s without ``checksum``), in the order of ``fills``.
+
+    Each fill is cut at multiples of the read chunk in the file, so a target aligned like
+    the file (a file ``AsyncCheckpointer`` wrote) gets whole aligned chunks the kernel
+    reads straight into it; the small pieces (thousands of small tensors, each large
+    tensor's ends) are read a few MiB of file at a time, not one request each.
+    """
+    order = sorted(range(len(fills)), key=lambda i: fills[i].offset)
+    pieces: list[tuple[int, int, int]] = []
+    owner: list[int] = []
+    for i in order:
+        f = fills[i]
+        pos, end, addr = f.offset, f.offset + f.nbytes, f.target.data_ptr()
+        while pos < end:
+            n = min(end, (pos // _PIECE_BYTES + 1) * _PIECE_BYTES) - pos
+            pieces.append((pos, addr + pos - f.offset, n))
+            owner.append(i)
+            pos += n
+    got = reader.read_scatter(pieces, checksum=checksum, threads=READ_THREADS, chunk_bytes=_PIECE_BYTES)
+    crcs = [0] * len(fills)
+    if checksum:
+        for (_, _, n), i, crc in zip(pieces, owner, got):  # a fill's pieces come in file order
+            crcs[i] = _native.crc32c_combine(crcs[i], crc, n)
+    return crcs
+
+
+def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill], sizes: dict[int, int]) -> None:
+    """``sizes``: data offset -> size of every storage record, from the zip's own headers."""
     records = {r.offset: r for r in view.manifest.records if r.kind == "storage"} if view is not None else {}
-    sizes = file_image.storage_records(cf, view)  # offset -> size, from the zip's own headers
     seen: set[tuple[int, int, int]] = set()
     direct, copied = [], []
     for f in fills:
@@ -160,49 +197,23 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
         else:
             copied.append(f)
     checked: set[int] = set()
-    local = _Readers()
-    all_readers: list[Any] = []
-    lock = threading.Lock()
-
-    def reader() -> Any:
-        if local.reader is None:
-            local.reader = cf.native_reader()
-            with lock:
-                all_readers.append(local.reader)
-        return local.reader
-
-    def fill(f: _Fill) -> None:
-        whole = (f.offset, f.nbytes) == f.record
-        crc = reader().read_into(f.offset, f.target.data_ptr(), f.nbytes, checksum=whole and view is not None,
-                                 threads=READ_THREADS if f.nbytes >= _SPLIT_BYTES else 1)
-        if whole and f.record[0] in records:
-            check_crc(cf.path, records[f.record[0]], crc)
-            with lock:
+    with cf.native_reader() as reader:
+        crcs = _scatter(reader, direct, view is not None)
+        for f, crc in zip(direct, crcs):
+            if (f.offset, f.nbytes) == f.record and f.record[0] in records:
+                check_crc(cf.path, records[f.record[0]], crc)
                 checked.add(f.record[0])
-
-    def copy(f: _Fill) -> None:
-        off, size = f.record
-        host = torch.empty(size, dtype=torch.uint8)
-        crc = reader().read_into(off, host.data_ptr(), size, checksum=view is not None, threads=READ_THREADS)
-        if off in records:
-            check_crc(cf.path, records[off], crc)
-            with lock:
-                checked.add(off)
-        src = torch.empty(0, dtype=f.source.dtype).set_(host.untyped_storage(), f.source.storage_offset(),
-                                                          f.source.shape, f.source.stride())
-        with torch.no_grad():
-            f.target.copy_(src)
-
-    direct.sort(key=lambda f: f.offset)
-    try:
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="fastpersist-load-into") as pool:
-            for fut in [pool.submit(fill, f) for f in direct]:
-                fut.result()
         for f in copied:
-            copy(f)
-    finally:
-        for r in all_readers:
-            r.close()
+            off, size = f.record
+            host = torch.empty(size, dtype=torch.uint8)
+            crc = reader.read_into(off, host.data_ptr(), size, checksum=view is not None, threads=READ_THREADS)
+            if off in records:
+                check_crc(cf.path, records[off], crc)
+                checked.add(off)
+            src = torch.empty(0, dtype=f.source.dtype).set_(host.untyped_storage(), f.source.storage_offset(),
+                                                              f.source.shape, f.source.stride())
+            with torch.no_grad():
+                f.target.copy_(src)
     if view is not None:  # records only partly read into targets are checked whole here
         rest = [r for off, r in records.items() if off not in checked]
         if rest:

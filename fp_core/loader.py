@@ -38,7 +38,8 @@ class FastReader(file_image.PositionedReader):
     as torch reads it.
     """
 
-    def __init__(self, cf: CheckpointFile, view: ManifestView | None = None, threads: int = 4) -> None:
+    def __init__(self, cf: CheckpointFile, view: ManifestView | None = None, threads: int = 4,
+                 prefetch: bool = True) -> None:
         super().__init__(cf.size)
         self.cf = cf
         self.path = cf.path
@@ -50,9 +51,10 @@ class FastReader(file_image.PositionedReader):
         self._checked: set[str] = set()
         if view is not None:
             self._records = {(r.offset, r.size): r for r in view.manifest.records if r.kind == "storage"}
-        self._prefetch_small_reads()
+        if prefetch:
+            self.prefetch_small_reads()
 
-    def _prefetch_small_reads(self) -> None:
+    def prefetch_small_reads(self) -> None:
         """Ask the kernel to read every small region torch.load will touch, all at once.
 
         torch reads each record's 30-byte local header, the pickle and the small records

@@ -1,0 +1,123 @@
+"""torch's unpickler for plain checkpoints, without its per-tensor cost.
+
+A loader here needs torch.load's result, or (``load_into``) only the structure with each
+tensor's place in the file. torch's unpickler gives both, but for a state of thousands of
+tensors it is much of a load's CPU time: its weights-only unpickler is a Python loop over
+every opcode, and each rebuilt tensor asks whether a fake tensor mode is active. Here
+Python's C unpickler reads the same pickle, and only a short list of globals resolves:
+``collections.OrderedDict``, ``_codecs.encode`` (bytes), ``torch._utils._rebuild_tensor_v2`` (answered by a function
+doing what torch's does outside tracing) and torch's legacy storage classes (the type tag
+of each persistent id). A pickle naming anything else, or a tensor with hooks or extra
+metadata, is not plain: :func:`unpickle` returns ``NotImplemented`` and the caller uses
+torch's own unpickler, which gives the file its usual answer (its refusals included). The
+list is a subset of torch's weights-only allowlist, so nothing is accepted here that
+``weights_only=True`` would refuse, and no code but those names can run.
+"""
+
+from __future__ import annotations
+
+import codecs
+import collections
+import io
+import pickle
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+
+# torch.save tags each storage with its legacy class (``torch.FloatStorage``...): its dtype.
+def _storage_types() -> dict[str, tuple[Any, torch.dtype]]:
+    out = {}
+    with warnings.catch_warnings():  # the legacy classes' dtype warns that TypedStorage is deprecated
+        warnings.simplefilter("ignore")
+        for name in ("BFloat16Storage", "BoolStorage", "ByteStorage", "CharStorage", "ComplexDoubleStorage",
+                     "ComplexFloatStorage", "DoubleStorage", "FloatStorage", "HalfStorage", "IntStorage",
+                     "LongStorage", "ShortStorage"):
+            cls = getattr(torch, name, None)
+            if cls is not None:
+                out[name] = (cls, cls.dtype)
+    return out
+
+
+_STORAGE_TYPES = _storage_types()
+_DTYPES = {id(cls): dtype for cls, dtype in _STORAGE_TYPES.values()}
+
+
+class NotPlain(Exception):
+    """The pickle needs torch's own unpickler."""
+
+
+StorageAt = Callable[[str, int, str], torch.UntypedStorage]
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, storage_at: StorageAt) -> None:
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._storage_at = storage_at
+        self._storages: dict[str, torch.storage.TypedStorage] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "_codecs" and name == "encode":  # how protocol 2 pickles bytes
+            return codecs.encode
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_tensor
+        if module == "torch" and name in _STORAGE_TYPES:
+            return _STORAGE_TYPES[name][0]
+        raise NotPlain(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise NotPlain("persistent id")
+        _, storage_type, key, location, numel = pid
+        dtype = _DTYPES.get(id(storage_type))
+        if dtype is None or type(key) is not str or type(location) is not str or type(numel) is not int \
+                or numel < 0:
+            raise NotPlain("persistent id")
+        st = self._storages.get(key)
+        if st is None:  # tensors of one storage share it, as torch's do
+            untyped = self._storage_at(key, numel * torch._utils._element_size(dtype), location)
+            st = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+            self._storages[key] = st
+        return st
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                    backward_hooks: Any, metadata: Any = None) -> torch.Tensor:
+    """``torch._utils._rebuild_tensor_v2`` outside tracing, for tensors without hooks or metadata."""
+    if not isinstance(storage, torch.storage.TypedStorage) or backward_hooks or metadata:
+        raise NotPlain("tensor")
+    t = torch.empty((0,), dtype=storage.dtype, device=storage._untyped_storage.device)
+    t.set_(storage._untyped_storage, storage_offset, size, stride)
+    t.requires_grad = requires_grad
+    t._backward_hooks = backward_hooks  # as torch's: the (empty) OrderedDict of the file
+    return t
+
+
+def meta_storage_at(offsets: Mapping[str, int]) -> StorageAt:
+    """Each storage on the meta device, its data's offset in the file in ``_fp_offset``
+    (``offsets``: record name under the archive, ``data/<key>``, to that offset)."""
+    def storage_at(key: str, nbytes: int, location: str) -> torch.UntypedStorage:
+        offset = offsets.get(f"data/{key}")
+        if offset is None:
+            raise NotPlain(f"no record data/{key}")
+        st = torch.UntypedStorage(nbytes, device="meta")
+        st._fp_offset = offset
+        return st
+    return storage_at
+
+
+def unpickle(zf: Any, storage_at: StorageAt) -> Any:
+    """The object pickled in ``zf`` (torch's zip reader of a checkpoint), each storage from
+    ``storage_at(key, nbytes, location)`` (which raises :class:`NotPlain` for one it cannot
+    give); ``NotImplemented`` where the pickle is not plain (see the module) or the file is
+    not little-endian."""
+    try:
+        if zf.has_record("byteorder") and zf.get_record("byteorder") != b"little":
+            return NotImplemented
+        return _PlainUnpickler(zf.get_record("data.pkl"), storage_at).load()
+    except Exception:  # noqa: BLE001 - anything the fast path cannot read is torch's to answer
+        return NotImplemented

@@ -1,0 +1,198 @@
+"""The plain-pickle fast path of the loaders (fp_core.plain_unpickle): what it reads equals
+what torch.load reads, and anything it does not know goes to torch's own unpickler."""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+import fp_core
+from fp_core import plain_unpickle
+
+
+def _zip_reader(path):
+    return torch.serialization._open_zipfile_reader(open(path, "rb"))  # noqa: SIM115 - closed with the reader
+
+
+def _cpu_storage_at(zf):
+    def storage_at(key, nbytes, location):
+        if location != "cpu":
+            raise plain_unpickle.NotPlain(location)
+        return zf.get_storage_from_record(f"data/{key}", nbytes, torch.UntypedStorage)._typed_storage()._untyped_storage
+    return storage_at
+
+
+def _plain_state():
+    g = torch.Generator().manual_seed(3)
+    model = collections.OrderedDict()
+    model["w"] = torch.randn(64, 32, generator=g)
+    model["b"] = torch.zeros(32, dtype=torch.bfloat16)
+    model["tied"] = model["w"]  # one tensor under two keys
+    model._metadata = collections.OrderedDict({"": {"version": 1}})  # what nn.Module.state_dict() carries
+    base = torch.arange(100, dtype=torch.float64)
+    return {
+        "model": model,
+        "views": [base[10:20], base[::3], base.view(10, 10).t()],  # offsets, strides, one shared storage
+        "dtypes": {str(dt): torch.ones(5, dtype=dt) for dt in (torch.float16, torch.int64, torch.int32, torch.int16,
+                                                             torch.int8, torch.uint8, torch.bool, torch.complex64,
+                                                             torch.complex128)},
+        "grad": torch.ones(3, requires_grad=True),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(2.5),
+        "meta": {"step": 7, "lr": 1e-3, "name": "run", "none": None, "flags": (True, False), "blob": b"\x00\x01"},
+    }
+
+
+def _same(a, b, seen=None):
+    """Equal structure, types, tensors (values, dtype, shape, strides, offsets, grad) and
+    storage sharing."""
+    seen = {} if seen is None else seen
+    assert type(a) is type(b), (type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+        assert a.storage_offset() == b.storage_offset() and a.requires_grad == b.requires_grad
+        assert torch.equal(a.detach(), b.detach())
+        # storages shared in one are shared in the other
+        key = a.untyped_storage().data_ptr()
+        assert seen.setdefault(key, b.untyped_storage().data_ptr()) == b.untyped_storage().data_ptr()
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None)
+        for k in a:
+            _same(a[k], b[k], seen)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y, seen)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("writer", ["torch", "fastpersist"])
+def test_plain_state_reads_as_torch_load_reads_it(tmp_path, writer):
+    state = _plain_state()
+    path = str(tmp_path / "s.pt")
+    torch.save(state, path) if writer == "torch" else fp_core.save(state, path)
+    expected = torch.load(path, weights_only=True)
+    with _zip_reader(path) as zf:
+        fast = plain_unpickle.unpickle(zf, _cpu_storage_at(zf))
+    assert fast is not NotImplemented  # the fast path read it
+    _same(expected, fast)
+    assert fast["model"]["tied"] is fast["model"]["w"]
+    _same(expected, fp_core.load(path, weights_only=True))
+    _same(expected, fp_core.load(path, weights_only=True, verify=writer == "fastpersist"))
+
+
+class _Custom:
+    def __init__(self, v):
+        self.v = v
+
+    def __eq__(self, other):
+        return isinstance(other, _Custom) and other.v == self.v
+
+
+class _Evil:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.parametrize("extra", [
+    torch.nn.Parameter(torch.ones(2)),
+    torch.device("cpu"),
+    torch.float32,
+    np.arange(3),
+    _Custom(3),
+])
+def test_anything_else_goes_to_torch(tmp_path, extra):
+    """A pickle naming any other global is torch's to read: the result is torch.load's."""
+    path = str(tmp_path / "o.pt")
+    torch.save({"x": torch.ones(4), "extra": extra}, path)
+    with _zip_reader(path) as zf:
+        assert plain_unpickle.unpickle(zf, _cpu_storage_at(zf)) is NotImplemented
+    got, expected = fp_core.load(path, weights_only=False), torch.load(path, weights_only=False)
+    assert torch.equal(got["x"], expected["x"])
+    assert type(got["extra"]) is type(expected["extra"])
+
+
+def test_a_hostile_pickle_runs_nothing(tmp_path):
+    """A global outside the list is never resolved: nothing runs, and with weights_only the
+    load is torch's refusal."""
+    target = tmp_path / "pwned"
+    path = str(tmp_path / "evil.pt")
+    torch.save({"x": torch.ones(2), "e": _Evil(str(target))}, path)
+    with _zip_reader(path) as zf:
+        assert plain_unpickle.unpickle(zf, _cpu_storage_at(zf)) is NotImplemented
+    assert not target.exists()
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        fp_core.load(path, weights_only=True)
+    with pytest.raises(pickle.UnpicklingError):
+        fp_core.load_into({"x": torch.zeros(2), "e": None}, path)
+    assert not target.exists()
+
+
+def test_tensor_with_hooks_or_metadata_is_not_plain(tmp_path):
+    path = str(tmp_path / "n.pt")
+    t = torch.ones(3)
+    torch.save({"neg": t.neg().conj() if t.is_complex() else torch.ones(2, dtype=torch.complex64).conj()}, path)
+    with _zip_reader(path) as zf:
+        assert plain_unpickle.unpickle(zf, _cpu_storage_at(zf)) is NotImplemented  # conj bit: metadata
+    got = fp_core.load(path, weights_only=True)["neg"]
+    assert got.is_conj() and torch.equal(got, torch.load(path, weights_only=True)["neg"])
+
+
+def test_storages_on_another_device_go_to_torch(tmp_path):
+    """storage_at refuses what it cannot give (here: a location other than the CPU)."""
+    path = str(tmp_path / "d.pt")
+    torch.save({"x": torch.ones(2)}, path)
+
+    def refuse(key, nbytes, location):
+        raise plain_unpickle.NotPlain(location)
+
+    with _zip_reader(path) as zf:
+        assert plain_unpickle.unpickle(zf, refuse) is NotImplemented
+
+
+def test_big_endian_files_go_to_torch(tmp_path):
+    class Reader:
+        def has_record(self, name):
+            return name == "byteorder"
+
+        def get_record(self, name):
+            return b"big"
+
+    assert plain_unpickle.unpickle(Reader(), lambda *a: None) is NotImplemented
+
+
+def test_load_into_reads_a_plain_file_without_torch_unpickler(tmp_path, monkeypatch):
+    """load_into's structure comes from the fast path (torch's unpickler is not called) and
+    fills the targets byte-exact."""
+    state = _plain_state()
+    path = str(tmp_path / "s.pt")
+    fp_core.save(state, path)
+    from fp_core import file_image
+
+    def no_torch(*a, **k):
+        raise AssertionError("torch's unpickler was used")
+
+    monkeypatch.setattr(file_image, "unpickle", no_torch)
+    target = {"model": collections.OrderedDict((k, torch.zeros_like(v)) for k, v in state["model"].items()),
+              "views": [torch.zeros_like(v) for v in state["views"]],
+              "dtypes": {k: torch.zeros_like(v) for k, v in state["dtypes"].items()},
+              "grad": torch.zeros(3), "empty": torch.empty(0, 4), "scalar": torch.tensor(0.0),
+              "meta": dict(state["meta"])}
+    out = fp_core.load_into(target, path, verify=True)
+    for k, v in state["model"].items():
+        assert torch.equal(target["model"][k], v)
+    for got, want in zip(target["views"], state["views"]):
+        assert torch.equal(got, want)
+    for k, v in state["dtypes"].items():
+        assert torch.equal(target["dtypes"][k], v)
+    assert out["meta"] == state["meta"] and float(target["scalar"]) == 2.5
