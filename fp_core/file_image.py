@@ -1,11 +1,12 @@
-"""A checkpoint read whole into memory, and torch's unpickler building its tensors there.
+"""A checkpoint read whole into memory, and an unpickler building its tensors there.
 
 The file is read into one fresh, page-aligned buffer laid out like the file: O_DIRECT
 straight into it (no staging copy, no page cache, several reads in flight), its pages
 faulted in by a thread running ahead of the reads, and the CRC-32C of every storage record
-computed on the read threads right after its bytes arrive. torch's own unpickler
-(``torch.serialization._load``, the function behind ``torch.load(mmap=True)``) then
-builds every tensor on a slice of that buffer, so storage bytes are read once and never
+computed on the read threads right after its bytes arrive. The unpickler then builds
+every tensor on a slice of that buffer (:mod:`fp_core.plain_unpickle` for a plain pickle,
+else torch's own, ``torch.serialization._load``, the function behind
+``torch.load(mmap=True)``), so storage bytes are read once and never
 copied; loaded CPU tensors share one allocation the size of the file, as those of
 ``torch.load(mmap=True)`` share one mapping.
 

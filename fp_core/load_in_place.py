@@ -1,14 +1,16 @@
 """Loading into tensors that already exist: a resume fills the model's and the optimizer's
 own tensors, reading each one's bytes from the file straight into its memory.
 
-The file's structure comes from ``torch.load(map_location="meta")`` (the pickle and the
-zip headers only: every tensor on the meta device, each storage carrying its offset in the
-file); each saved tensor is matched with the target's tensor at the same place (same keys,
-shape and dtype), and the native reader reads its bytes into the target's memory, several
-reads in flight, O_DIRECT straight in where the target is aligned like the file. No fresh
-memory is touched: the target's pages are already there. A target that cannot be filled
-in place (on a device, not contiguous, a view of part of a saved storage) is filled from a
-host copy of its record.
+The file's structure comes from its pickle with every tensor on the meta device, each
+storage carrying its offset in the file: read by :mod:`fp_core.plain_unpickle` where the
+pickle is plain (the offsets from the local headers, all read in one scatter read), else
+by torch's unpickler (``map_location="meta"``). Each saved tensor is matched with the
+target's tensor at the same place (same keys, shape and dtype), and one native scatter
+read fills them all: pieces near each other in the file read together, a few MiB per
+request, O_DIRECT straight in where the target is aligned like the file. No fresh memory
+is touched: the target's pages are already there. A target that cannot be filled in place
+(on a device, not contiguous, a view of part of a saved storage) is filled from a host
+copy of its record.
 """
 
 from __future__ import annotations
