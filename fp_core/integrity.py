@@ -25,9 +25,10 @@ import numpy as np
 from . import _native
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 from .manifest import RECORD_SUFFIX, STRUCTURE, TAIL, TAIL_COMMENT_PREFIX, Manifest, RecordInfo
-from .plan import structure_crc
+from .plan import structure_ranges
 
 _CHUNK = 16 << 20  # bytes read at once when checksumming from the descriptor
+_SCATTER_BATCH = 64 << 20  # bytes of small ranges read by one scatter read when checksumming them
 _EOCD_SCAN = 22 + 0xFFFF  # the zip's end record and the longest comment it can carry
 _LOCAL_HEADER = 30
 _MANIFEST_BYTES_PER_ENTRY = 64 << 10  # a manifest larger than this per zip entry is not ours
@@ -52,6 +53,7 @@ class CheckpointFile:
             os.close(self.fd)
             raise
         self._zip: tuple[list[zipfile.ZipInfo], bytes, int] | None = None
+        self._headers: dict[int, bytes] = {}  # local header offset -> its fixed 30 bytes, once read
         # The whole file, once a loader has read it through this descriptor: checks then
         # read memory instead of making one small cold read per zip header.
         self.image: memoryview | None = None
@@ -120,7 +122,9 @@ class CheckpointFile:
 
     def data_offset(self, info: zipfile.ZipInfo) -> int:
         """Where ``info``'s data starts, from its local header; checked to lie in the file."""
-        head = self.pread(info.header_offset, _LOCAL_HEADER)
+        head = self._headers.get(info.header_offset)
+        if head is None:
+            head = self.pread(info.header_offset, _LOCAL_HEADER)
         if len(head) < _LOCAL_HEADER or struct.unpack_from("<I", head)[0] != 0x04034B50:
             raise CorruptCheckpointError(self.path, info.filename, f"local header at byte {info.header_offset} "
                                          "is damaged")
@@ -135,32 +139,44 @@ class CheckpointFile:
         """:meth:`data_offset` of each of ``infos``, their local headers read together.
 
         One native scatter read for all (a cold file's headers lie one before each record,
-        spread over the file: read one by one, each is a device round trip).
+        spread over the file: read one by one, each is a device round trip); kept, so later
+        checks of the same headers read memory.
         """
-        if self.image is not None or len(infos) < 2:
-            return [self.data_offset(i) for i in infos]
-        order = sorted(range(len(infos)), key=lambda k: infos[k].header_offset)
-        heads = np.zeros((len(infos), _LOCAL_HEADER), dtype=np.uint8)
-        base = heads.ctypes.data
-        pieces = [(infos[k].header_offset, base + k * _LOCAL_HEADER, _LOCAL_HEADER) for k in order]
-        try:
+        todo = sorted({i.header_offset for i in infos if i.header_offset not in self._headers})
+        if self.image is None and len(todo) > 1 and todo[-1] + _LOCAL_HEADER <= self.size:
+            heads = np.zeros((len(todo), _LOCAL_HEADER), dtype=np.uint8)
+            base = heads.ctypes.data
             with self.native_reader() as r:
-                r.read_scatter(pieces, threads=4)
-        except EOFError:
-            return [self.data_offset(i) for i in infos]  # names the header that runs past the end
-        out = []
-        for k, info in enumerate(infos):
-            head = heads[k].tobytes()
-            if struct.unpack_from("<I", head)[0] != 0x04034B50:
-                raise CorruptCheckpointError(self.path, info.filename, f"local header at byte {info.header_offset} "
-                                             "is damaged")
-            n, e = struct.unpack_from("<HH", head, 26)
-            off = info.header_offset + _LOCAL_HEADER + n + e
-            if off + info.file_size > self.size:
-                raise CorruptCheckpointError(self.path, info.filename, f"{info.file_size} bytes at byte {off} run "
-                                             f"past the end of the {self.size}-byte file")
-            out.append(off)
-        return out
+                r.read_scatter([(off, base + k * _LOCAL_HEADER, _LOCAL_HEADER) for k, off in enumerate(todo)],
+                               threads=4)
+            for k, off in enumerate(todo):
+                self._headers[off] = heads[k].tobytes()
+        return [self.data_offset(i) for i in infos]
+
+    def crc_of_ranges(self, ranges: list[tuple[int, int]]) -> int:
+        """CRC-32C of the bytes of ``ranges`` ((offset, length) pairs, sorted, inside the
+        file) one after another; small ranges read together with the native scatter read."""
+        if self.image is not None or not ranges:
+            crc = 0
+            for off, n in ranges:
+                crc = _native.crc32c_combine(crc, self.crc(off, n), n)
+            return crc
+        pieces: list[tuple[int, int]] = []
+        for off, n in ranges:  # at most a chunk each, as the scatter read takes them
+            pieces += [(p, min(_CHUNK, off + n - p)) for p in range(off, off + n, _CHUNK)]
+        crc, i = 0, 0
+        scratch = np.empty(max(_SCATTER_BATCH, _CHUNK), dtype=np.uint8)  # holds a piece at least
+        with self.native_reader() as r:
+            while i < len(pieces):  # a batch fills the scratch buffer
+                batch, used = [], 0
+                while i < len(pieces) and used + pieces[i][1] <= scratch.nbytes:
+                    batch.append((pieces[i][0], scratch.ctypes.data + used, pieces[i][1]))
+                    used += pieces[i][1]
+                    i += 1
+                for (_, _, n), part in zip(batch, r.read_scatter(batch, checksum=True, threads=4,
+                                                                 chunk_bytes=_CHUNK)):
+                    crc = _native.crc32c_combine(crc, part, n)
+        return crc
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -283,6 +299,7 @@ def _check_records(cf: CheckpointFile, m: Manifest, entries: list[zipfile.ZipInf
         dup = len(names) - len(set(names))
         raise CorruptCheckpointError(path, TAIL, "manifest records do not match the zip's entries: "
                                      f"missing {missing[:3]}, unknown {unknown[:3]}, {dup} repeated")
+    cf.data_offsets([by_name[r.name] for r in m.records])  # every local header in one read
     end = 0
     for r in m.records:
         info = by_name[r.name]
@@ -314,7 +331,7 @@ def check_structure(cf: CheckpointFile, view: ManifestView) -> None:
     """Check the zip structure and the small records (pickle, version...) of a file."""
     m = view.manifest
     covered = [(r.offset, r.offset + r.size) for r in m.records]
-    got = structure_crc(covered, view.header_offset, cf.pread)
+    got = cf.crc_of_ranges(structure_ranges(covered, view.header_offset))
     if got != m.structure_crc32c:
         raise CorruptCheckpointError(cf.path, STRUCTURE, f"CRC-32C {got:08x}, expected {m.structure_crc32c:08x}")
     for r in m.records:

@@ -257,17 +257,25 @@ def _checksum_skeleton_records(plan: FilePlan) -> None:
     )
 
 
-def structure_crc(covered: list[tuple[int, int]], end: int, pread: Any, chunk: int = 16 << 20) -> int:
-    """CRC-32C of every byte in [0, end) outside the record data ranges ``covered``
-    (read ``chunk`` bytes at a time: a file's gaps can be large when it is not ours)."""
-    crc, pos = 0, 0
+def structure_ranges(covered: list[tuple[int, int]], end: int) -> list[tuple[int, int]]:
+    """(offset, length) of every stretch of [0, end) outside the record data ranges
+    ``covered`` ((lo, hi) pairs), in file order: the bytes the structure CRC covers."""
+    out, pos = [], 0
     for lo, hi in sorted(covered) + [(end, end)]:
         stop = min(lo, end)
-        while pos < stop:
-            n = min(stop - pos, chunk)
-            crc = _native.crc32c(pread(pos, n), crc)
-            pos += n
+        if pos < stop:
+            out.append((pos, stop - pos))
         pos = max(pos, hi)
         if pos >= end:
             break
+    return out
+
+
+def structure_crc(covered: list[tuple[int, int]], end: int, pread: Any, chunk: int = 16 << 20) -> int:
+    """CRC-32C of every byte in [0, end) outside the record data ranges ``covered``
+    (read ``chunk`` bytes at a time: a file's gaps can be large when it is not ours)."""
+    crc = 0
+    for pos, n in structure_ranges(covered, end):
+        for p in range(pos, pos + n, chunk):
+            crc = _native.crc32c(pread(p, min(chunk, pos + n - p)), crc)
     return crc

@@ -208,3 +208,34 @@ def test_inspect_lists_records(disk_dir):
     for r in recs:
         if r["kind"] == "storage" and r["size"]:
             assert r["offset"] % 64 == 0, r  # a plain state's storages sit on torch's own alignment
+
+
+def test_batched_header_and_gap_reads_match_one_by_one(tmp_path, monkeypatch):
+    """The local headers read together (data_offsets) and the structure's gaps read by
+    scatter reads (crc_of_ranges, here cut into many small batches) give exactly what
+    reading each one alone gives."""
+    import numpy as np
+
+    from fp_core import _native, integrity
+    from fp_core.plan import structure_ranges
+
+    path = str(tmp_path / "m.pt")
+    fp_core.save({f"t{i}": torch.full((100 + 37 * i,), float(i)) for i in range(60)}, path)
+    data = open(path, "rb").read()
+    monkeypatch.setattr(integrity, "_CHUNK", 4096)  # pieces of at most a block,
+    monkeypatch.setattr(integrity, "_SCATTER_BATCH", 4096)  # a block's worth per scatter read
+    with integrity.CheckpointFile(path) as cf:
+        entries = cf.zip_directory()[0]
+        one_by_one = [integrity.CheckpointFile.data_offset(cf, i) for i in entries]
+        with integrity.CheckpointFile(path) as fresh:
+            assert fresh.data_offsets(entries) == one_by_one
+        view = integrity.read_manifest(cf)
+        ranges = structure_ranges([(r.offset, r.offset + r.size) for r in view.manifest.records],
+                                  view.header_offset)
+        assert len(ranges) > 60 and sum(n for _, n in ranges) > 4096  # several batches
+        expected = _native.crc32c(np.frombuffer(b"".join(data[o:o + n] for o, n in ranges), dtype=np.uint8))
+        assert cf.crc_of_ranges(ranges) == expected
+        assert expected == view.manifest.structure_crc32c
+        cf.image = memoryview(data)
+        assert cf.crc_of_ranges(ranges) == expected and cf.data_offsets(entries) == one_by_one
+        cf.image = None
