@@ -177,6 +177,9 @@ def drop_all_caches() -> bool:
     return _write_proc("/proc/sys/vm/drop_caches", "1\n")
 
 
+LOAD_SETTLE_S = 2.0  # between load rows: see evict_all
+
+
 def settle(seconds: float = 0.5) -> None:
     """Flush dirty data and give the device a moment (deletes on a discard mount trim)."""
     os.sync()
@@ -566,6 +569,10 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         for p, _ in loaders.values():
             if os.path.exists(p):
                 drop_cache(p)
+        # The previous row freed a file's worth of memory, which a VM hands back to its host
+        # while the next row would run (the whole guest slows meanwhile): each row starts
+        # from a quiet machine, as a resuming process does.
+        settle(LOAD_SETTLE_S)
 
     run_rounds("load", [rows[k] for k in load_keys], repeat, warmup,
                lambda row: measure(row, loaders[row.key][1], 1, before=evict_all), log)
