@@ -491,25 +491,49 @@ static int Reader_init(ReaderObject *self, PyObject *args, PyObject *kw)
     return 0;
 }
 
-/* ranges: a sequence of (offset, length) pairs -> a malloc'ed array of 2n ll, or NULL
- * with an exception set */
-static ll *parse_ranges(PyObject *seq_in, int *n_out)
+/* 0, or -1 with an exception set when the reader is closed or in use by another thread */
+static int reader_unusable(ReaderObject *self)
 {
-    PyObject *seq = PySequence_Fast(seq_in, "ranges must be a sequence of (offset, length) pairs");
+    if (self->rd.fd >= 0 && !self->busy)
+        return 0;
+    PyErr_SetString(self->rd.fd < 0 ? PyExc_ValueError : PyExc_RuntimeError,
+                    self->rd.fd < 0 ? "I/O operation on closed Reader" : "Reader is in use by another thread");
+    return -1;
+}
+
+/* seq_in as a fast sequence of at most INT_MAX / 2 items (*n), with *out a PyMem array of
+ * *n items of item_size bytes for the caller to fill; NULL with an exception set */
+static PyObject *fast_sequence(PyObject *seq_in, const char *type_msg, const char *what, size_t item_size,
+                               Py_ssize_t *n, void **out)
+{
+    PyObject *seq = PySequence_Fast(seq_in, type_msg);
     if (!seq)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > INT_MAX / 2) {
+    *n = PySequence_Fast_GET_SIZE(seq);
+    if (*n > INT_MAX / 2) {
         Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "too many ranges");
+        PyErr_Format(PyExc_ValueError, "too many %s", what);
         return NULL;
     }
-    ll *out = PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(ll));
-    if (!out) {
+    *out = PyMem_Malloc((size_t)(*n ? *n : 1) * item_size);
+    if (!*out) {
         Py_DECREF(seq);
         PyErr_NoMemory();
         return NULL;
     }
+    return seq;
+}
+
+/* ranges: a sequence of (offset, length) pairs -> a malloc'ed array of 2n ll, or NULL
+ * with an exception set */
+static ll *parse_ranges(PyObject *seq_in, int *n_out)
+{
+    Py_ssize_t n;
+    ll *out;
+    PyObject *seq = fast_sequence(seq_in, "ranges must be a sequence of (offset, length) pairs", "ranges",
+                                  2 * sizeof(ll), &n, (void **)&out);
+    if (!seq)
+        return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
@@ -556,9 +580,7 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
         o.ranges = ranges;
         o.range_crcs = range_crcs;
     }
-    if (self->rd.fd < 0 || self->busy) {
-        PyErr_SetString(self->rd.fd < 0 ? PyExc_ValueError : PyExc_RuntimeError,
-                        self->rd.fd < 0 ? "I/O operation on closed Reader" : "Reader is in use by another thread");
+    if (reader_unusable(self)) {
         PyMem_Free(ranges);
         PyMem_Free(range_crcs);
         return NULL;
@@ -604,21 +626,12 @@ static PyObject *Reader_read_into(ReaderObject *self, PyObject *args, PyObject *
  * exception set */
 static fp_piece_t *parse_pieces(PyObject *seq_in, int *n_out)
 {
-    PyObject *seq = PySequence_Fast(seq_in, "pieces must be a sequence of (file_offset, addr, length) tuples");
+    Py_ssize_t n;
+    fp_piece_t *out;
+    PyObject *seq = fast_sequence(seq_in, "pieces must be a sequence of (file_offset, addr, length) tuples",
+                                  "pieces", sizeof(fp_piece_t), &n, (void **)&out);
     if (!seq)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > INT_MAX / 2) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "too many pieces");
-        return NULL;
-    }
-    fp_piece_t *out = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(fp_piece_t));
-    if (!out) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
-        return NULL;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
         unsigned long long addr;
@@ -660,9 +673,7 @@ static PyObject *Reader_read_scatter(ReaderObject *self, PyObject *args, PyObjec
         PyMem_Free(pieces);
         return PyErr_NoMemory();
     }
-    if (self->rd.fd < 0 || self->busy) {
-        PyErr_SetString(self->rd.fd < 0 ? PyExc_ValueError : PyExc_RuntimeError,
-                        self->rd.fd < 0 ? "I/O operation on closed Reader" : "Reader is in use by another thread");
+    if (reader_unusable(self)) {
         PyMem_Free(pieces);
         PyMem_Free(crcs);
         return NULL;

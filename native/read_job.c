@@ -59,18 +59,49 @@ static int pread_full(int fd, int direct, ll align, char *buf, ll file_off, ll n
     return 0;
 }
 
+/* The next item of a work queue shared by threads (*next of n, under mu): its index, or
+ * -1 when none is left or a thread has failed (*err). */
+static int take_item(pthread_mutex_t *mu, const int *err, int *next, int n)
+{
+    pthread_mutex_lock(mu);
+    int k = (*err || *next >= n) ? -1 : (*next)++;
+    pthread_mutex_unlock(mu);
+    return k;
+}
+
+/* The first failure of the threads wins. */
+static void record_error(pthread_mutex_t *mu, int *err, int e)
+{
+    pthread_mutex_lock(mu);
+    if (!*err)
+        *err = e;
+    pthread_mutex_unlock(mu);
+}
+
+/* fn(arg) on this thread and nthr - 1 more (fewer when a spawn fails: fn takes work
+ * from a shared queue, so any number of threads finishes it); returns when all are done. */
+static void run_on_threads(void *(*fn)(void *), void *arg, int nthr)
+{
+    pthread_t t[64];
+    int n = 0;
+    for (int i = 1; i < nthr && i < 64; i++) {
+        if (fp_spawn(&t[n], fn, arg) != 0)
+            break;
+        n++;
+    }
+    fn(arg);
+    for (int i = 0; i < n; i++)
+        pthread_join(t[i], NULL);
+}
+
 static void *read_main(void *arg)
 {
     rjob_t *rj = arg;
     fp_sbuf_t buf = {NULL, 0, 0, 0};
     for (;;) {
-        pthread_mutex_lock(&rj->mu);
-        if (rj->err || rj->next >= rj->nchunks) {
-            pthread_mutex_unlock(&rj->mu);
+        int k = take_item(&rj->mu, &rj->err, &rj->next, rj->nchunks);
+        if (k < 0)
             break;
-        }
-        int k = rj->next++;
-        pthread_mutex_unlock(&rj->mu);
         ll cs = rj->base + (ll)k * rj->chunk;
         ll ce = cs + rj->chunk < rj->aend ? cs + rj->chunk : rj->aend;
         ll ws = rj->off > cs ? rj->off : cs;
@@ -112,10 +143,7 @@ static void *read_main(void *arg)
                 rj->pcrc[i] = fp_crc32c(0, rj->dst + (rj->pstart[i] - rj->off), (size_t)rj->plen[i]);
         }
         if (err) {
-            pthread_mutex_lock(&rj->mu);
-            if (!rj->err)
-                rj->err = err;
-            pthread_mutex_unlock(&rj->mu);
+            record_error(&rj->mu, &rj->err, err);
             break;
         }
     }
@@ -342,16 +370,7 @@ int fp_reader_read(fp_reader_t *r, ll off, uint64_t addr, ll len, const fp_read_
     int nthr = (len < READ_INLINE_MAX) ? 1 : o->threads;
     if (nthr > rj.nchunks)
         nthr = rj.nchunks;
-    pthread_t t[64];
-    int n = 0;
-    for (int i = 1; i < nthr; i++) {
-        if (fp_spawn(&t[n], read_main, &rj) != 0)
-            break; /* fewer threads is fine */
-        n++;
-    }
-    read_main(&rj);
-    for (int i = 0; i < n; i++)
-        pthread_join(t[i], NULL);
+    run_on_threads(read_main, &rj, nthr);
     uint32_t c = 0;
     if (!rj.err && o->checksum) {
         for (int k = 0; k < rj.nchunks; k++) {
@@ -434,19 +453,12 @@ static void *scatter_main(void *arg)
     sjob_t *sj = arg;
     fp_sbuf_t buf = {NULL, 0, 0, 0};
     for (;;) {
-        pthread_mutex_lock(&sj->mu);
-        if (sj->err || sj->next >= sj->ngroups) {
-            pthread_mutex_unlock(&sj->mu);
+        int g = take_item(&sj->mu, &sj->err, &sj->next, sj->ngroups);
+        if (g < 0)
             break;
-        }
-        int g = sj->next++;
-        pthread_mutex_unlock(&sj->mu);
         int err = scatter_group(sj, &buf, sj->gfirst[g], sj->gfirst[g + 1]);
         if (err) {
-            pthread_mutex_lock(&sj->mu);
-            if (!sj->err)
-                sj->err = err;
-            pthread_mutex_unlock(&sj->mu);
+            record_error(&sj->mu, &sj->err, err);
             break;
         }
     }
@@ -548,18 +560,7 @@ int fp_reader_scatter(fp_reader_t *r, const fp_piece_t *p, int n, const fp_read_
     sj.ngroups = ng;
     sj.crcs = crcs;
     pthread_mutex_init(&sj.mu, NULL);
-    int nthr = o->threads < ng ? o->threads : ng;
-    pthread_t t[64];
-    int nt = 0;
-    for (int i = 1; i < nthr; i++) {
-        if (fp_spawn(&t[nt], scatter_main, &sj) != 0)
-            break; /* fewer threads is fine */
-        nt++;
-    }
-    if (ng)
-        scatter_main(&sj);
-    for (int i = 0; i < nt; i++)
-        pthread_join(t[i], NULL);
+    run_on_threads(scatter_main, &sj, o->threads < ng ? o->threads : ng);
     if (sj.err == FP_EOF && fstat(r->fd, &st) == 0) /* the file shrank meanwhile */
         *file_size = st.st_size;
     pthread_mutex_destroy(&sj.mu);
