@@ -16,6 +16,7 @@ copy of its record.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,13 +125,7 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     """
     if not file_image.applies(None):
         # no offsets from torch's headers here: load it whole (checked there) and copy
-        saved = loader.load(path, map_location="cpu", weights_only=weights_only, verify=verify)
-        copies: list[_Fill] = []
-        result = _match(saved, target, "", copies)
-        with torch.no_grad():
-            for f in copies:
-                f.target.copy_(f.source)
-        return result
+        return _load_and_copy(target, path, verify, weights_only)
     with CheckpointFile(path) as cf:
         view: ManifestView | None = None
         if verify:
@@ -142,13 +137,30 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
         offsets = cf.data_offsets(entries)
         sizes = {off: info.file_size for info, off in zip(entries, offsets)}
         with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
-            saved = plain_unpickle.unpickle(zf, plain_unpickle.meta_storage_at(_under_archive(cf, entries, offsets)))
-            if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
-                f.prefetch_small_reads()
-                saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
+            if zf.has_record("byteorder") and zf.get_record("byteorder").decode(errors="replace") != sys.byteorder:
+                swapped = True  # its bytes are not this machine's: torch.load swaps them
+            else:
+                swapped = False
+                saved = plain_unpickle.unpickle(zf, plain_unpickle.meta_storage_at(_under_archive(cf, entries, offsets)))
+                if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
+                    f.prefetch_small_reads()
+                    saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
+        if swapped:
+            return _load_and_copy(target, path, verify, weights_only)
         fills: list[_Fill] = []
         result = _match(saved, target, "", fills)
         _read_fills(cf, view, fills, sizes)
+    return result
+
+
+def _load_and_copy(target: Any, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
+    """``load_into`` through a whole load and a copy into each target (checked there)."""
+    saved = loader.load(path, map_location="cpu", weights_only=weights_only, verify=verify)
+    copies: list[_Fill] = []
+    result = _match(saved, target, "", copies)
+    with torch.no_grad():
+        for f in copies:
+            f.target.copy_(f.source)
     return result
 
 
