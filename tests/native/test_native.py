@@ -676,6 +676,10 @@ def _anonymous_map(n: int):
     import mmap
 
     m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # A flag its neighbours lack keeps it a mapping of its own: the kernel may merge a new
+    # anonymous mapping into an adjacent one, whose resident pages /proc/self/smaps (what
+    # resident_bytes reads) would then report prorated over this range too.
+    m.madvise(mmap.MADV_DONTDUMP)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))  # the ctypes view is gone again here
     return m, addr
 
