@@ -173,8 +173,13 @@ class CheckpointFile:
                     batch.append((pieces[i][0], scratch.ctypes.data + used, pieces[i][1]))
                     used += pieces[i][1]
                     i += 1
-                for (_, _, n), part in zip(batch, r.read_scatter(batch, checksum=True, threads=4,
-                                                                 chunk_bytes=_CHUNK)):
+                try:
+                    parts = r.read_scatter(batch, checksum=True, threads=4, chunk_bytes=_CHUNK)
+                except EOFError:
+                    end = max(off + n for off, _, n in batch)
+                    raise CorruptCheckpointError(self.path, STRUCTURE, f"file ends at byte {self.size}, before "
+                                                 f"{end}") from None
+                for (_, _, n), part in zip(batch, parts):
                     crc = _native.crc32c_combine(crc, part, n)
         return crc
 

@@ -236,6 +236,10 @@ def test_batched_header_and_gap_reads_match_one_by_one(tmp_path, monkeypatch):
         expected = _native.crc32c(np.frombuffer(b"".join(data[o:o + n] for o, n in ranges), dtype=np.uint8))
         assert cf.crc_of_ranges(ranges) == expected
         assert expected == view.manifest.structure_crc32c
+        with pytest.raises(CorruptCheckpointError, match="file ends"):
+            cf.crc_of_ranges(ranges + [(len(data) - 10, 20)])  # past the end: named, not an EOFError
         cf.image = memoryview(data)
         assert cf.crc_of_ranges(ranges) == expected and cf.data_offsets(entries) == one_by_one
+        with pytest.raises(CorruptCheckpointError, match="file ends"):
+            cf.crc_of_ranges(ranges + [(len(data) - 10, 20)])
         cf.image = None
