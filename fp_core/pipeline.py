@@ -697,8 +697,9 @@ class AsyncCheckpointer:
                 return None
             pool = self._save_pool()
             # Copies (small tensors; every large one under snapshot) go into one reusable
-            # arena, copied and checksummed in parallel; device ones get their slot now
-            # and are copied in the background.
+            # arena, copied in parallel (the writer checksums them as it writes: the caller
+            # waits for the copy alone); device ones get their slot now and are copied in
+            # the background.
             copied = small_cpu + (big if policy == "snapshot" else [])
             if copied:
                 arena = self._take_arena(copied)
@@ -707,7 +708,7 @@ class AsyncCheckpointer:
                 # A new arena's first fill faults in every page (slow: see the module doc):
                 # that once, the large copies are left to the writer, outside save().
                 now = small_cpu + (cpu if policy == "snapshot" and not arena.fresh else [])
-                stage_cpu(now, [carved[id(s)] for s in now], pool=pool, threads=self._pool_threads)
+                stage_cpu(now, [carved[id(s)] for s in now], pool=pool, threads=self._pool_threads, checksum=False)
                 prepared.stats.extra["at_save_bytes"] = sum(s.length for s in now)
             if cpu and policy != "snapshot":
                 stage_cpu(cpu, None, pool=pool, threads=self._pool_threads)

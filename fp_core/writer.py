@@ -110,15 +110,19 @@ PARALLEL_CHUNK = 8 << 20  # unit of work when several threads copy or checksum o
 
 
 def stage_cpu(extents: list[StorageExtent], into: list[torch.Tensor] | None = None,
-              pool: ThreadPoolExecutor | None = None, threads: int = 1) -> None:
+              pool: ThreadPoolExecutor | None = None, threads: int = 1, checksum: bool = True) -> None:
     """Checksum CPU storages (and copy them into ``into``, a snapshot arena, when given)
     in one pass over the source, split over ``threads`` of ``pool`` (one share of nearly
     equal bytes each: thousands of small pieces cost more as futures than as work).
 
     The CRCs go to each extent's ``host_crcs`` for the ranges :func:`split_congruent`
     will cut it into, so the writer finds them for the zero-copy middle and the staged
-    head and tail and does not read the bytes again.
+    head and tail and does not read the bytes again. With ``checksum=False`` (copies
+    only) the copy runs faster and the engine checksums the copies as it writes them,
+    off the caller's thread: for a copy that someone waits for.
     """
+    if not checksum and into is None:
+        raise ValueError("stage_cpu: nothing to do without a checksum or a copy")
     jobs: list[tuple[int, tuple[int, int], int, int, int]] = []  # extent, range key, src, dst, n
     for i, s in enumerate(extents):
         src = s.source.data_ptr()
@@ -131,7 +135,7 @@ def stage_cpu(extents: list[StorageExtent], into: list[torch.Tensor] | None = No
 
     def one(job: tuple[int, tuple[int, int], int, int, int]) -> int:
         _, _, src, dst, n = job
-        return _native.copy_crc32c(dst, src, n) if dst else _native.crc32c_addr(src, n)
+        return _native.copy_crc32c(dst, src, n, checksum=checksum) if dst else _native.crc32c_addr(src, n)
 
     def share(part: list[tuple[int, tuple[int, int], int, int, int]]) -> list[int]:
         return [one(j) for j in part]
@@ -148,10 +152,11 @@ def stage_cpu(extents: list[StorageExtent], into: list[torch.Tensor] | None = No
         crcs = [c for part in pool.map(share, parts) for c in part]  # type: ignore[union-attr]
     else:
         crcs = share(jobs)
-    per: list[dict[tuple[int, int], int]] = [{} for _ in extents]
-    for (i, key, _, _, n), crc in zip(jobs, crcs):  # chunks of a range come in order
-        d = per[i]
-        d[key] = _native.crc32c_combine(d[key], crc, n) if key in d else crc
+    per: list[dict[tuple[int, int], int] | None] = [{} if checksum else None for _ in extents]
+    if checksum:
+        for (i, key, _, _, n), crc in zip(jobs, crcs):  # chunks of a range come in order
+            d = per[i]
+            d[key] = _native.crc32c_combine(d[key], crc, n) if key in d else crc
     for i, s in enumerate(extents):
         s.host_crcs = per[i]
         if into is not None:

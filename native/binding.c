@@ -835,10 +835,11 @@ static PyObject *mod_crc32c_addr(PyObject *m, PyObject *args, PyObject *kw)
 
 static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"dst", "src", "length", NULL};
+    static char *kwlist[] = {"dst", "src", "length", "checksum", NULL};
     unsigned long long dst, src;
     ll len;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKL", kwlist, &dst, &src, &len))
+    int checksum = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKL|$p", kwlist, &dst, &src, &len, &checksum))
         return NULL;
     if (len < 0 || (len > 0 && (dst == 0 || src == 0)) || !fp_addr_range_ok(dst, len) ||
         !fp_addr_range_ok(src, len)) {
@@ -847,7 +848,7 @@ static PyObject *mod_copy_crc32c(PyObject *m, PyObject *args, PyObject *kw)
     }
     uint32_t r;
     Py_BEGIN_ALLOW_THREADS
-    r = fp_copy_crc((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)len, 0, 1);
+    r = fp_copy_crc((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, (size_t)len, 0, checksum);
     Py_END_ALLOW_THREADS
     return PyLong_FromUnsignedLong(r);
 }
