@@ -506,7 +506,10 @@ class AsyncCheckpointer:
         def copy(todo: list[StorageExtent]) -> bool:
             if any(id(s) not in slots for s in todo):
                 return False  # beyond the budget (or the arena): left to the writer
-            stage_cpu(todo, [slots[id(s)] for s in todo], pool=self._save_pool(), threads=self._pool_threads)
+            # A copy alone: the checksums taken inside save() stay (bytes changed since are
+            # then caught by verify, not stored under a checksum of the change)
+            stage_cpu(todo, [slots[id(s)] for s in todo], pool=self._save_pool(), threads=self._pool_threads,
+                      checksum=False)
             for s in todo:
                 del slots[id(s)]
             return True

@@ -118,8 +118,9 @@ def stage_cpu(extents: list[StorageExtent], into: list[torch.Tensor] | None = No
     The CRCs go to each extent's ``host_crcs`` for the ranges :func:`split_congruent`
     will cut it into, so the writer finds them for the zero-copy middle and the staged
     head and tail and does not read the bytes again. With ``checksum=False`` (copies
-    only) the copy runs faster and the engine checksums the copies as it writes them,
-    off the caller's thread: for a copy that someone waits for.
+    only) the copy runs faster and each extent keeps the ``host_crcs`` it had: those taken
+    at save time (which a copy of bytes changed since then must not replace), or none, and
+    then the engine checksums the copies as it writes them, off the caller's thread.
     """
     if not checksum and into is None:
         raise ValueError("stage_cpu: nothing to do without a checksum or a copy")
@@ -152,15 +153,16 @@ def stage_cpu(extents: list[StorageExtent], into: list[torch.Tensor] | None = No
         crcs = [c for part in pool.map(share, parts) for c in part]  # type: ignore[union-attr]
     else:
         crcs = share(jobs)
-    per: list[dict[tuple[int, int], int] | None] = [{} if checksum else None for _ in extents]
     if checksum:
+        per: list[dict[tuple[int, int], int]] = [{} for _ in extents]
         for (i, key, _, _, n), crc in zip(jobs, crcs):  # chunks of a range come in order
             d = per[i]
             d[key] = _native.crc32c_combine(d[key], crc, n) if key in d else crc
-    for i, s in enumerate(extents):
-        s.host_crcs = per[i]
-        if into is not None:
-            s.host = into[i]
+        for s, d in zip(extents, per):
+            s.host_crcs = d
+    if into is not None:
+        for s, buf in zip(extents, into):
+            s.host = buf
 
 
 def snapshot_to_host(extents: list[StorageExtent], into: list[torch.Tensor]) -> None:

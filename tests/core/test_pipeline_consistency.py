@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -139,3 +140,23 @@ def test_save_threads_share_the_cpu_work(disk_dir, threads):
         assert_identical(expected, fp_core.load(path, verify=True))
     with pytest.raises(ValueError, match="save_threads"):
         AsyncCheckpointer(save_threads=0)
+
+
+def test_a_tensor_changed_before_a_fence_that_copies_it_is_caught_too(disk_dir):
+    """A fence that copies the unwritten rest keeps the checksums taken inside save(): a
+    tensor changed before that fence (against the overlap contract) is caught by verify,
+    never stored changed under a checksum of the changed bytes."""
+    state = {"a": torch.full((3 * MiB,), 1.0), "b": torch.full((3 * MiB,), 3.0)}
+    path = os.path.join(disk_dir, "changed-fenced.pt")
+    with AsyncCheckpointer(policy="overlap", install_optimizer_hook=False) as ckpt:
+        gate = threading.Event()
+        ckpt.enqueue(gate.wait)  # the writer is held: nothing is written before the fence
+        h = ckpt.save(state, path)
+        state["b"].fill_(2.0)  # no fence first
+        ckpt.fence()  # copies all of it, the changed bytes among them
+        gate.set()
+        st = h.result()
+    assert st.extra["fence_copied_bytes"] == 24 * MiB
+    with pytest.raises(CorruptCheckpointError) as e:
+        fp_core.verify(path)
+    assert e.value.tensor == "b"
