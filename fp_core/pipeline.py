@@ -700,9 +700,10 @@ class AsyncCheckpointer:
                 return None
             pool = self._save_pool()
             # Copies (small tensors; every large one under snapshot) go into one reusable
-            # arena, copied in parallel (the writer checksums them as it writes: the caller
-            # waits for the copy alone); device ones get their slot now and are copied in
-            # the background.
+            # arena, copied and checksummed in one pass, in parallel (a copy alone is faster
+            # here, but its checksums then run on the writer, beside a training that owns
+            # every core: steps measured slower); device ones get their slot now and are
+            # copied in the background.
             copied = small_cpu + (big if policy == "snapshot" else [])
             if copied:
                 arena = self._take_arena(copied)
@@ -711,7 +712,7 @@ class AsyncCheckpointer:
                 # A new arena's first fill faults in every page (slow: see the module doc):
                 # that once, the large copies are left to the writer, outside save().
                 now = small_cpu + (cpu if policy == "snapshot" and not arena.fresh else [])
-                stage_cpu(now, [carved[id(s)] for s in now], pool=pool, threads=self._pool_threads, checksum=False)
+                stage_cpu(now, [carved[id(s)] for s in now], pool=pool, threads=self._pool_threads)
                 prepared.stats.extra["at_save_bytes"] = sum(s.length for s in now)
             if cpu and policy != "snapshot":
                 stage_cpu(cpu, None, pool=pool, threads=self._pool_threads)
