@@ -953,8 +953,9 @@ static PyMethodDef module_methods[] = {
     {"crc32c_addr", (PyCFunction)(void (*)(void))mod_crc32c_addr, METH_VARARGS | METH_KEYWORDS,
      "crc32c_addr(addr, length, crc=0) -> int: CRC-32C of raw memory (GIL released)."},
     {"copy_crc32c", (PyCFunction)(void (*)(void))mod_copy_crc32c, METH_VARARGS | METH_KEYWORDS,
-     "copy_crc32c(dst, src, length) -> int: copy raw memory (streaming stores) and return the\n"
-     "CRC-32C of the bytes, in one pass (GIL released). The ranges must not overlap."},
+     "copy_crc32c(dst, src, length, *, checksum=True) -> int: copy raw memory (streaming stores)\n"
+     "and return the CRC-32C of the bytes, in one pass (GIL released; 0 and a copy alone without\n"
+     "checksum). The ranges must not overlap."},
     {"crc32c_combine", (PyCFunction)mod_crc32c_combine, METH_VARARGS,
      "crc32c_combine(crc1, crc2, len2) -> int: CRC-32C of A||B from crc(A), crc(B) and len(B)."},
     {"advise_huge", (PyCFunction)(void (*)(void))mod_advise_huge, METH_VARARGS | METH_KEYWORDS,
