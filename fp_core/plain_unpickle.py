@@ -5,13 +5,15 @@ tensor's place in the file. torch's unpickler gives both, but for a state of tho
 tensors it is much of a load's CPU time: its weights-only unpickler is a Python loop over
 every opcode, and each rebuilt tensor asks whether a fake tensor mode is active. Here
 Python's C unpickler reads the same pickle, and only a short list of globals resolves:
-``collections.OrderedDict``, ``_codecs.encode`` (bytes), ``torch._utils._rebuild_tensor_v2`` (answered by a function
-doing what torch's does outside tracing) and torch's legacy storage classes (the type tag
-of each persistent id). A pickle naming anything else, or a tensor with hooks or extra
-metadata, is not plain: :func:`unpickle` returns ``NotImplemented`` and the caller uses
-torch's own unpickler, which gives the file its usual answer (its refusals included). The
-list is a subset of torch's weights-only allowlist, so nothing is accepted here that
-``weights_only=True`` would refuse, and no code but those names can run.
+``collections.OrderedDict``, ``_codecs.encode`` (bytes), ``torch._utils._rebuild_tensor_v2``
+(answered by a function doing what torch's does outside tracing) and torch's legacy
+storage classes (resolved, as torch's unpicklers do, to a ``StorageType`` that carries the
+dtype of each persistent id and cannot be called). A pickle naming anything else, or a
+tensor with hooks or extra metadata, is not plain: :func:`unpickle` returns
+``NotImplemented`` and the caller uses torch's own unpickler, which gives the file its
+usual answer (its refusals included). The list is a subset of torch's weights-only
+allowlist, so nothing is accepted here that ``weights_only=True`` would refuse, and no code
+but those names can run.
 """
 
 from __future__ import annotations
@@ -20,29 +22,19 @@ import codecs
 import collections
 import io
 import pickle
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-
-# torch.save tags each storage with its legacy class (``torch.FloatStorage``...): its dtype.
-def _storage_types() -> dict[str, tuple[Any, torch.dtype]]:
-    out = {}
-    with warnings.catch_warnings():  # the legacy classes' dtype warns that TypedStorage is deprecated
-        warnings.simplefilter("ignore")
-        for name in ("BFloat16Storage", "BoolStorage", "ByteStorage", "CharStorage", "ComplexDoubleStorage",
-                     "ComplexFloatStorage", "DoubleStorage", "FloatStorage", "HalfStorage", "IntStorage",
-                     "LongStorage", "ShortStorage"):
-            cls = getattr(torch, name, None)
-            if cls is not None:
-                out[name] = (cls, cls.dtype)
-    return out
-
-
-_STORAGE_TYPES = _storage_types()
-_DTYPES = {id(cls): dtype for cls, dtype in _STORAGE_TYPES.values()}
+# torch.save tags each storage with its legacy class (``torch.FloatStorage``...); torch's
+# unpicklers resolve those names to a ``StorageType`` that only carries the dtype (not the
+# class: a pickle may not construct storages), and so does this one.
+_StorageType = getattr(torch.serialization, "StorageType", None)
+_STORAGE_NAMES = frozenset((
+    "BFloat16Storage", "BoolStorage", "ByteStorage", "CharStorage", "ComplexDoubleStorage", "ComplexFloatStorage",
+    "DoubleStorage", "FloatStorage", "HalfStorage", "IntStorage", "LongStorage", "ShortStorage",
+))
 
 
 class NotPlain(Exception):
@@ -65,20 +57,20 @@ class _PlainUnpickler(pickle.Unpickler):
             return codecs.encode
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return _rebuild_tensor
-        if module == "torch" and name in _STORAGE_TYPES:
-            return _STORAGE_TYPES[name][0]
+        if module == "torch" and name in _STORAGE_NAMES and _StorageType is not None:
+            return _StorageType(name)
         raise NotPlain(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise NotPlain("persistent id")
         _, storage_type, key, location, numel = pid
-        dtype = _DTYPES.get(id(storage_type))
-        if dtype is None or type(key) is not str or type(location) is not str or type(numel) is not int \
-                or numel < 0:
+        if (_StorageType is None or not isinstance(storage_type, _StorageType) or type(key) is not str
+                or type(location) is not str or type(numel) is not int or numel < 0):
             raise NotPlain("persistent id")
         st = self._storages.get(key)
         if st is None:  # tensors of one storage share it, as torch's do
+            dtype = storage_type.dtype
             untyped = self._storage_at(key, numel * torch._utils._element_size(dtype), location)
             st = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
             self._storages[key] = st

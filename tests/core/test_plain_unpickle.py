@@ -238,3 +238,26 @@ def test_load_into_a_big_endian_file_gets_torch_loads_values(tmp_path):
             zout.writestr(info.filename, b"middle" if info.filename.endswith("/byteorder") else zin.read(info))
     with pytest.raises(ValueError, match="endianness"):
         fp_core.load_into(target, odd)
+
+
+def test_a_pickle_that_calls_a_storage_class_is_refused_as_torch_refuses_it(tmp_path):
+    """The storage class names resolve to torch's uncallable StorageType, as in torch's own
+    unpicklers: a pickle constructing a storage (of any size it likes) is refused, never
+    run."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"x": 1}, buf)
+    path = str(tmp_path / "calls-storage.pt")
+    call = b"\x80\x02ctorch\nFloatStorage\nJ\x00\x00\x00\x40\x85R."  # torch.FloatStorage(2**30)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(path, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, call if info.filename.endswith("data.pkl") else zin.read(info))
+    with _zip_reader(path) as zf:
+        assert plain_unpickle.unpickle(zf, _cpu_storage_at(zf)) is NotImplemented
+    for wo in (True, False):
+        with pytest.raises(TypeError, match="not callable"):
+            torch.load(path, weights_only=wo)
+        with pytest.raises(TypeError, match="not callable"):
+            fp_core.load(path, weights_only=wo)
