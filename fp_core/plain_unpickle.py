@@ -11,9 +11,11 @@ storage classes (resolved, as torch's unpicklers do, to a ``StorageType`` that c
 dtype of each persistent id and cannot be called). A pickle naming anything else, or a
 tensor with hooks or extra metadata, is not plain: :func:`unpickle` returns
 ``NotImplemented`` and the caller uses torch's own unpickler, which gives the file its
-usual answer (its refusals included). The list is a subset of torch's weights-only
-allowlist, so nothing is accepted here that ``weights_only=True`` would refuse, and no code
-but those names can run.
+usual answer (its refusals included). The names are a subset of torch's weights-only
+allowlist: no code runs here that ``weights_only=True`` would not run. The opcodes are
+Python's, a few more pure-data forms than torch's weights-only unpickler reads; only
+protocol 2 pickles (what torch.save writes) are taken, which leaves the protocol-0 spellings
+of lists, dicts, numbers and strings among them: data, never code.
 """
 
 from __future__ import annotations
@@ -110,6 +112,9 @@ def unpickle(zf: Any, storage_at: StorageAt) -> Any:
     try:
         if zf.has_record("byteorder") and zf.get_record("byteorder") != b"little":
             return NotImplemented
-        return _PlainUnpickler(zf.get_record("data.pkl"), storage_at).load()
+        data = zf.get_record("data.pkl")
+        if not data.startswith(b"\x80\x02"):  # torch.save's protocol; any other is torch's to read
+            return NotImplemented
+        return _PlainUnpickler(data, storage_at).load()
     except Exception:  # noqa: BLE001 - anything the fast path cannot read is torch's to answer
         return NotImplemented

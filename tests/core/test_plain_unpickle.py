@@ -261,3 +261,19 @@ def test_a_pickle_that_calls_a_storage_class_is_refused_as_torch_refuses_it(tmp_
             torch.load(path, weights_only=wo)
         with pytest.raises(TypeError, match="not callable"):
             fp_core.load(path, weights_only=wo)
+
+
+def test_only_torch_saves_protocol_is_read_fast(tmp_path):
+    """A pickle of another protocol than torch.save's goes to torch's unpickler, which
+    answers as torch.load does (its weights-only unpickler refuses protocol 4)."""
+    path = str(tmp_path / "p4.pt")
+    state = {"w": torch.arange(6.0), "n": 3}
+    torch.save(state, path, pickle_protocol=4)
+    with _zip_reader(path) as zf:
+        assert plain_unpickle.unpickle(zf, _cpu_storage_at(zf)) is NotImplemented
+    with pytest.raises(pickle.UnpicklingError):  # torch's weights-only unpickler reads protocol 2 only
+        torch.load(path, weights_only=True)
+    with pytest.raises(pickle.UnpicklingError):
+        fp_core.load(path, weights_only=True)
+    got = fp_core.load(path, weights_only=False)
+    assert torch.equal(got["w"], state["w"]) and got["n"] == 3
