@@ -138,15 +138,11 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
         sizes = {off: info.file_size for info, off in zip(entries, offsets)}
         with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
             if zf.has_record("byteorder") and zf.get_record("byteorder").decode(errors="replace") != sys.byteorder:
-                swapped = True  # its bytes are not this machine's: torch.load swaps them
-            else:
-                swapped = False
-                saved = plain_unpickle.unpickle(zf, plain_unpickle.meta_storage_at(_under_archive(cf, entries, offsets)))
-                if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
-                    f.prefetch_small_reads()
-                    saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
-        if swapped:
-            return _load_and_copy(target, path, verify, weights_only)
+                return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
+            saved = plain_unpickle.unpickle(zf, plain_unpickle.meta_storage_at(_under_archive(cf, entries, offsets)))
+            if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
+                f.prefetch_small_reads()
+                saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
         fills: list[_Fill] = []
         result = _match(saved, target, "", fills)
         _read_fills(cf, view, fills, sizes)
