@@ -131,7 +131,8 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
 
 
 def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,
-         verify: bool | str = False, *, storage_options: dict | None = None, keep_local: bool = False) -> Any:
+         verify: bool | str = False, *, mmap: bool = False, storage_options: dict | None = None,
+         keep_local: bool = False) -> Any:
     """``torch.load`` of ``path`` through the fast reader (see :func:`fp_core.loader.load`).
 
     ``verify=True`` checks every byte against the manifest while loading (raising
@@ -139,14 +140,18 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     when the file has one and loads a file written by another tool unchecked. A remote
     fsspec URL is fetched into local staging (or found in the ``keep_local`` cache) and
     loaded from there; ``storage_options`` go to fsspec. See :mod:`fp_core.remote`.
+
+    ``mmap=True``: as with ``torch.load(mmap=True)``, the tensors stay mapped on the file
+    (copy-on-write), read in at the disk's speed before the call returns; the file must not
+    be truncated or rewritten in place while they live.
     """
     is_remote, p = paths.split(path)
     if is_remote:
         from . import remote
 
-        return remote.load(p, map_location=map_location, weights_only=weights_only, verify=verify,
+        return remote.load(p, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap,
                            storage_options=storage_options, keep_local=keep_local)
-    return loader.load(p, map_location=map_location, weights_only=weights_only, verify=verify)
+    return loader.load(p, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
 
 
 def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, weights_only: bool | None = True,

@@ -18,6 +18,8 @@ cost more than they would overlap (measured; from memory they cost nothing). The
 
 from __future__ import annotations
 
+import bisect
+import errno
 import inspect
 import io
 import mmap
@@ -25,6 +27,7 @@ import os
 import pickle
 import threading
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -58,19 +61,20 @@ def _cpu_only(map_location: Any) -> bool:
     return isinstance(map_location, torch.device) and map_location.type == "cpu"
 
 
-def applies(map_location: Any) -> bool:
+def applies(map_location: Any, mapped: bool = False) -> bool:
     """Whether to read a file whole for this load: where its tensors stay on the CPU
     (``map_location`` None or CPU; a file saved from device tensors read with None waits
     for its bytes anyway), and where torch takes each storage's offset from its zip
     header (``torch.utils.serialization.config.load.calculate_storage_offsets`` off, its
     default: computed offsets assume torch's own layout, not FastPersist's async one).
     Loads onto a device keep the per-storage reads: a whole-file host buffer would double
-    their peak host memory."""
+    their peak host memory. A ``mapped`` load (``mmap=True``) applies to every
+    ``map_location``: its host buffer is the file's page cache, not memory of its own."""
     from torch.utils.serialization import config
 
     if not AVAILABLE or getattr(config.load, "calculate_storage_offsets", False):
         return False
-    return map_location is None or _cpu_only(map_location)
+    return mapped or map_location is None or _cpu_only(map_location)
 
 
 def resolve_weights_only(weights_only: bool | None) -> bool:
@@ -139,6 +143,83 @@ def read_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap:
         buf.close()
         raise
     return buf
+
+
+MAP_CHUNK = 16 << 20  # a populate call's share of a mapped file: several in flight, each reading ahead
+MAP_THREADS = 4  # populate calls in flight: each keeps the kernel's reads of its range going
+
+
+def map_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap | None:
+    """The file mapped private (copy-on-write), its pages read in by the kernel before
+    anything is unpickled, ``MAP_THREADS`` ranges at once; each of the ``checked``
+    storage records' CRC-32C computed on the same threads as its pages arrive. None where
+    this kernel cannot read a mapping in without touching it (MADV_POPULATE_READ, Linux
+    5.14): the caller reads into memory of its own instead.
+
+    Page-cache pages are filled by the disk, where new anonymous memory is first zeroed
+    by the guest (see the module and benchmarks/README.md): on a VM the mapping reads
+    at the disk's speed where fresh memory does not. The tensors built on it stay mapped
+    on the file, as those of ``torch.load(mmap=True)``: pages written are copied (private),
+    and the file must not be truncated or rewritten in place while they live (FastPersist's
+    saves replace files by rename, which leaves a mapped file as it was).
+    """
+    try:
+        buf = mmap.mmap(cf.fd, cf.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except ValueError:  # Python's own check: the file is shorter than when it was opened
+        raise _truncated(cf, 0, cf.size) from None
+    try:
+        if not read_mapping_in(cf, buf, checked):
+            buf.close()
+            return None
+    except BaseException:
+        buf.close()
+        raise
+    return buf
+
+
+def _truncated(cf: CheckpointFile, off: int, end: int) -> CorruptCheckpointError:
+    return CorruptCheckpointError(cf.path, STRUCTURE, "the file was truncated while it was being loaded "
+                                  f"(bytes [{off}, {end}) of {cf.size} are gone)")
+
+
+def read_mapping_in(cf: CheckpointFile, buf: mmap.mmap, checked: list[RecordInfo]) -> bool:
+    """:func:`map_image`'s reads of ``buf``, the file's mapping; False where the kernel
+    cannot (nothing read)."""
+    addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
+    try:  # the first page asks the kernel whether it can
+        _native.populate(addr, min(_PAGE, cf.size), write=False)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            return False
+        if e.errno == errno.EFAULT:
+            raise _truncated(cf, 0, min(_PAGE, cf.size)) from None
+        raise
+    ends = [r.offset + r.size for r in checked]
+
+    def chunk(off: int) -> list[tuple[int, int, int]]:
+        end = min(off + MAP_CHUNK, cf.size)
+        try:
+            _native.populate(addr + off, end - off, write=False)
+        except OSError as e:
+            if e.errno == errno.EFAULT:  # a page past the file's end: it shrank since it was opened
+                raise _truncated(cf, off, end) from None
+            raise OSError(e.errno, f"{cf.path}: reading the mapped file in: {e.strerror}") from None
+        pieces = []
+        i = bisect.bisect_right(ends, off)  # the first record ending after off
+        while i < len(checked) and checked[i].offset < end:
+            lo, hi = max(off, checked[i].offset), min(end, ends[i])
+            pieces.append((i, _native.crc32c_addr(addr + lo, hi - lo), hi - lo))
+            i += 1
+        return pieces
+
+    crcs: dict[int, int] = {}
+    with ThreadPoolExecutor(MAP_THREADS, thread_name_prefix="fastpersist-map") as pool:
+        for pieces in pool.map(chunk, range(0, cf.size, MAP_CHUNK)):  # in file order
+            for i, crc, n in pieces:
+                crcs[i] = _native.crc32c_combine(crcs[i], crc, n) if i in crcs else crc
+    for i, r in enumerate(checked):
+        check_crc(cf.path, r, crcs[i])
+    return True
 
 
 class PositionedReader(io.RawIOBase):
@@ -266,14 +347,19 @@ def _cpu_slices_at(zf: Any, slices: _RecordSlices) -> plain_unpickle.StorageAt:
     return storage_at
 
 
-def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any, weights_only: bool | None) -> Any:
+def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any, weights_only: bool | None,
+               mapped: bool = False) -> Any:
     """torch.load of ``cf`` read whole (see the module); ``NotImplemented`` for a TorchScript
     archive, which ``torch.load`` must handle. With ``view`` (verify), every storage
     record (on the read threads), the manifest against the zip's headers, the zip
     structure and the small records (the pickle among them) are checked before anything
-    is unpickled."""
+    is unpickled. ``mapped``: the tensors are built on the file's private mapping
+    (:func:`map_image`) where the kernel allows, else on memory of their own."""
     wo = resolve_weights_only(weights_only)
-    buf = read_image(cf, _checked_records(cf, view) if view is not None else [])
+    checked = _checked_records(cf, view) if view is not None else []
+    buf = map_image(cf, checked) if mapped else None
+    if buf is None:
+        buf = read_image(cf, checked)
     try:
         cf.image = memoryview(buf)[:cf.size]  # later reads of cf (checks, records' offsets) from memory
         if view is not None:
@@ -284,7 +370,9 @@ def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any,
         with _MemoryFile(cf.image) as f, torch.serialization._open_zipfile_reader(f) as zf:
             if torch.serialization._is_torchscript_zip(zf):
                 return NotImplemented
-            obj = plain_unpickle.unpickle(zf, _cpu_slices_at(zf, slices))
+            obj = NotImplemented
+            if map_location is None or _cpu_only(map_location):  # plain_unpickle builds CPU tensors only
+                obj = plain_unpickle.unpickle(zf, _cpu_slices_at(zf, slices))
             if obj is NotImplemented:
                 obj = unpickle(zf, map_location, wo, slices, cf.path)
         slices.check(storage_records(cf, view))

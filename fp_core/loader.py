@@ -119,7 +119,7 @@ class FastReader(file_image.PositionedReader):
 
 
 def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,
-         verify: bool | str = False) -> Any:
+         verify: bool | str = False, mmap: bool = False) -> Any:
     """``torch.load`` of the local file ``path`` through the fast reader.
 
     ``verify=True`` checks every byte against the manifest (raising
@@ -129,11 +129,17 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     written by another tool unchecked (``verify=True`` raises
     :class:`NotAFastPersistCheckpoint` for it). The file is opened once: the check and the
     load read the same file even if its name is replaced meanwhile.
+
+    ``mmap=True``: as ``torch.load(mmap=True)``, the tensors are built on a private
+    (copy-on-write) mapping of the file, whose pages the kernel reads in on several
+    threads before the call returns (see :func:`fp_core.file_image.map_image`). A file
+    that cannot be read whole (torch's legacy format, a TorchScript archive) or a kernel
+    older than Linux 5.14 gets tensors in memory of their own, as without it.
     """
     if verify not in (True, False, "auto"):
         raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
     with CheckpointFile(path) as cf:
-        whole = file_image.applies(map_location) and cf.pread(0, 4) == b"PK\x03\x04"
+        whole = file_image.applies(map_location, mapped=mmap) and cf.pread(0, 4) == b"PK\x03\x04"
         view = None
         if verify:
             try:
@@ -143,7 +149,7 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
                 if verify is True:
                     raise
         if whole:
-            obj = file_image.load_image(cf, view, map_location, weights_only)
+            obj = file_image.load_image(cf, view, map_location, weights_only, mapped=mmap)
             if obj is not NotImplemented:
                 return obj
             if view is not None:

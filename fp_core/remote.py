@@ -553,10 +553,12 @@ def fetch(url: str, *, storage_options: dict | None = None, keep_local: bool = F
 
 
 def load(url: str, map_location: Any = None, weights_only: bool | None = None, verify: bool | str = False, *,
-         storage_options: dict | None = None, keep_local: bool = False) -> Any:
-    """``fp_core.load`` of a remote URL: fetched into staging (or the cache), then loaded natively."""
+         mmap: bool = False, storage_options: dict | None = None, keep_local: bool = False) -> Any:
+    """``fp_core.load`` of a remote URL: fetched into staging (or the cache), then loaded natively
+    (with ``mmap``, mapped on the staged copy, whose disk space outlives its name until the
+    tensors are freed)."""
     with fetch(url, storage_options=storage_options, keep_local=keep_local) as local:
-        return loader.load(local, map_location=map_location, weights_only=weights_only, verify=verify)
+        return loader.load(local, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
 
 
 def verify(url: str, *, storage_options: dict | None = None, keep_local: bool = False) -> dict:

@@ -880,15 +880,17 @@ static PyObject *mod_advise_huge(PyObject *m, PyObject *args, PyObject *kw)
     return PyLong_FromUnsignedLongLong(covered);
 }
 
-static PyObject *mod_populate(PyObject *m, PyObject *args)
+static PyObject *mod_populate(PyObject *m, PyObject *args, PyObject *kw)
 {
+    static char *kwlist[] = {"addr", "length", "write", NULL};
     unsigned long long addr, n;
-    if (!PyArg_ParseTuple(args, "KK", &addr, &n))
+    int write = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KK|$p", kwlist, &addr, &n, &write))
         return NULL;
     char msg[FP_MSG_MAX];
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = fp_populate(addr, n, msg, sizeof msg);
+    rc = fp_populate(addr, n, write, msg, sizeof msg);
     Py_END_ALLOW_THREADS
     if (rc == FP_EARG) {
         PyErr_SetString(PyExc_ValueError, msg);
@@ -962,9 +964,11 @@ static PyMethodDef module_methods[] = {
      "advise_huge(addr, length, *, collapse=False) -> int: transparent huge pages under the\n"
      "2 MiB-aligned interior of raw memory (MADV_HUGEPAGE; with collapse, MADV_COLLAPSE too,\n"
      "GIL released). Returns the bytes covered, 0 where the kernel refused."},
-    {"populate", (PyCFunction)mod_populate, METH_VARARGS,
-     "populate(addr, length) -> int: fault every page of the range in for writing on this thread\n"
-     "(MADV_POPULATE_WRITE, else a touch per page; contents unchanged, GIL released)."},
+    {"populate", (PyCFunction)(void (*)(void))mod_populate, METH_VARARGS | METH_KEYWORDS,
+     "populate(addr, length, *, write=True) -> int: fault every page of the range in for writing on\n"
+     "this thread (MADV_POPULATE_WRITE, else a touch per page; contents unchanged, GIL released).\n"
+     "write=False: for reading (MADV_POPULATE_READ: a file mapping's pages read in, a private one's\n"
+     "not copied); OSError EINVAL where the kernel lacks it, EFAULT past a mapped file's end."},
     {"release_staging", (PyCFunction)mod_release_staging, METH_NOARGS,
      "release_staging(): free the process-wide staging-buffer pool (buffers in use are freed when returned)."},
     {"staging_bytes", (PyCFunction)mod_staging_bytes, METH_NOARGS,

@@ -105,8 +105,12 @@ size_t fp_pool_bytes(void);
 uint64_t fp_advise_huge(uint64_t addr, uint64_t n, int collapse);
 /* Fault every page of [addr, addr + n) in for writing, contents unchanged.  0, an errno
  * (ENOMEM, EFAULT, EINVAL: memory missing or not writable), or FP_EARG when the range
- * wraps around the address space. */
-int fp_populate(uint64_t addr, uint64_t n, char *msg, size_t cap);
+ * wraps around the address space.  With write 0, for reading (MADV_POPULATE_READ, Linux
+ * 5.14; a file mapping's pages are read in by the kernel, a private one's not copied, then a
+ * byte of each read so that a VM's host maps them now):
+ * EINVAL on a kernel without it (nothing touched), EFAULT where a page lies past the end
+ * of a mapped file (where a touch would raise SIGBUS). */
+int fp_populate(uint64_t addr, uint64_t n, int write, char *msg, size_t cap);
 
 /* ---------------------------------------------------------------- uring.c */
 

@@ -215,6 +215,9 @@ uint64_t fp_advise_huge(uint64_t addr, uint64_t n, int collapse)
  * (a read-modify-write of one byte, which keeps the contents too, and is not racing anyone:
  * the caller owns the memory).  Memory it cannot fault in for writing (none left, not
  * mapped, read-only) is reported as its errno, never touched into a fault. */
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -233,7 +236,7 @@ static int populate_supported(void)
     return known;
 }
 
-int fp_populate(uint64_t addr, uint64_t n, char *msg, size_t cap)
+int fp_populate(uint64_t addr, uint64_t n, int write, char *msg, size_t cap)
 {
     if (addr > UINT64_MAX - 4096 || n > UINT64_MAX - 4096 - addr) { /* hi below must not wrap */
         snprintf(msg, cap, "invalid address or length: the range wraps around the address space");
@@ -244,6 +247,20 @@ int fp_populate(uint64_t addr, uint64_t n, char *msg, size_t cap)
     uintptr_t hi = ((uintptr_t)addr + (uintptr_t)n + page - 1) & ~(page - 1);
     if (n == 0)
         return 0;
+    if (!write) { /* no touching fallback: a touch past a file's end is a SIGBUS, the advice an EFAULT */
+        if (madvise((void *)lo, hi - lo, MADV_POPULATE_READ))
+            return errno;
+        /* Then read a byte of every page: on a VM, the first access of a page the disk
+         * filled still waits for the host to map it for this guest (benchmarks/README.md),
+         * and paid here it runs on the populating threads, beside the reads of other ranges,
+         * instead of at the tensors' first use. */
+        volatile const unsigned char *q = (volatile const unsigned char *)lo;
+        unsigned char sink = 0;
+        for (uintptr_t off = 0; off < hi - lo; off += page)
+            sink ^= q[off];
+        (void)sink;
+        return 0;
+    }
     if (populate_supported())
         return madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE) ? errno : 0;
     /* a kernel without it: touch instead */

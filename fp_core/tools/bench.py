@@ -55,6 +55,8 @@ LABELS = {
     "load_safetensors": "safetensors load_file + touch every page",
     "load_fastpersist": "fp_core.load",
     "load_fastpersist_verify": "fp_core.load(verify=True)",
+    "load_fastpersist_mmap": "fp_core.load(mmap=True) + touch every page",
+    "load_fastpersist_mmap_verify": "fp_core.load(mmap=True, verify=True) + touch",
     "load_into": "fp_core.load_into(existing state)",
     "load_into_verify": "fp_core.load_into(existing state, verify=True)",
 }
@@ -377,6 +379,10 @@ def touch_pages(obj: Any) -> Any:
     return obj
 
 
+def _same(obj: Any) -> Any:
+    return obj
+
+
 def load_torch_mmap(path: str, map_location: Any = None) -> Any:
     return touch_pages(torch.load(path, mmap=True, weights_only=True, map_location=map_location))
 
@@ -416,7 +422,9 @@ def device_labels(device: torch.device) -> dict[str, str]:
                 load_torch_mmap=f"torch.load(mmap=True, map_location='{device.type}')",
                 load_safetensors=f"safetensors load_file(device='{device.type}')",
                 load_fastpersist=f"fp_core.load(map_location='{device.type}')",
-                load_fastpersist_verify=f"fp_core.load(map_location='{device.type}', verify=True)")
+                load_fastpersist_verify=f"fp_core.load(map_location='{device.type}', verify=True)",
+                load_fastpersist_mmap=f"fp_core.load(mmap=True, map_location='{device.type}')",
+                load_fastpersist_mmap_verify=f"fp_core.load(mmap=True, map_location='{device.type}', verify=True)")
 
 
 def dry_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -457,7 +465,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     rows: dict[str, Row] = {}
     keep = {"torch": any(r in only for r in ("load_torch", "load_torch_mmap")),
             "safetensors": "load_safetensors" in only,
-            "fastpersist": any(r in only for r in ("load_fastpersist", "load_fastpersist_verify")),
+            "fastpersist": any(r.startswith("load_fastpersist") for r in only),
             "device": any(r in only for r in ("load_device", "load_device_fresh"))}
 
     def clear(path: str) -> Callable[[], None]:
@@ -529,14 +537,16 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         ensure("safetensors", savers["safetensors"])
         loaders["load_safetensors"] = (files["safetensors"],
                                        lambda: load_safetensors(files["safetensors"], map_location or "cpu"))
-    if "load_fastpersist" in only or "load_fastpersist_verify" in only:
+    if any(r.startswith("load_fastpersist") for r in only):
         from ..loader import load as fp_load
         ensure("fastpersist", savers["fastpersist"])
-        loaders["load_fastpersist"] = (files["fastpersist"], lambda: fp_load(files["fastpersist"], weights_only=True,
-                                                                             map_location=map_location))
-        loaders["load_fastpersist_verify"] = (files["fastpersist"],
-                                              lambda: fp_load(files["fastpersist"], weights_only=True, verify=True,
-                                                              map_location=map_location))
+        for key, mapped, check in (("load_fastpersist", False, False), ("load_fastpersist_verify", False, True),
+                                   ("load_fastpersist_mmap", True, False), ("load_fastpersist_mmap_verify", True, True)):
+            # mapped tensors are touched as torch.load(mmap=True)'s are: loaded, not just mapped
+            loaders[key] = (files["fastpersist"],
+                            lambda mapped=mapped, check=check: (touch_pages if mapped else _same)(
+                                fp_load(files["fastpersist"], weights_only=True, verify=check, mmap=mapped,
+                                        map_location=map_location)))
     if "load_into" in only or "load_into_verify" in only:
         from ..api import load_into
         ensure("fastpersist", savers["fastpersist"])
@@ -629,7 +639,8 @@ def targets(rows: dict[str, Row]) -> list[dict[str, Any]]:
     if ok("load_fastpersist") and ok("load_torch"):
         v = ratio("load_fastpersist", "load_torch")
         out.append({"target": "fp_core.load >= 2 x torch.load (cold)", "value": round(v, 3), "pass": v >= 2.0})
-    for key in ("load_fastpersist", "load_fastpersist_verify", "load_into", "load_into_verify"):
+    for key in ("load_fastpersist", "load_fastpersist_verify", "load_fastpersist_mmap", "load_fastpersist_mmap_verify",
+                "load_into", "load_into_verify"):
         if ok(key) and ok("load_device"):
             v = ratio(key, "load_device")
             out.append({"target": f"{key} >= 0.9 x load_device", "value": round(v, 3), "pass": v >= 0.9})
@@ -696,7 +707,8 @@ def plot(res: dict[str, Any], path: str) -> None:
 
     rows = [r for r in res["rows"] if not r["error"]]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
-    colors = ["#d62728" if r["key"] in ("fastpersist", "load_fastpersist", "load_fastpersist_verify", "load_into",
+    colors = ["#d62728" if r["key"] in ("fastpersist", "load_fastpersist", "load_fastpersist_verify",
+                                        "load_fastpersist_mmap", "load_fastpersist_mmap_verify", "load_into",
                                         "load_into_verify")
               else "#7f7f7f" if r["key"] in ("device", "load_device", "load_device_fresh") else "#1f77b4" for r in rows]
     y = list(range(len(rows)))[::-1]

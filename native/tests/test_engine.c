@@ -693,7 +693,7 @@ static void test_refusals(void)
     CHECK(fp_reader_open(&r, missing, 1) == ENOENT, "reader of a missing file");
 
     /* memory helpers */
-    rc = fp_populate(UINT64_MAX - 4096, 8192, msg, sizeof msg);
+    rc = fp_populate(UINT64_MAX - 4096, 8192, 1, msg, sizeof msg);
     CHECK(rc == FP_EARG && strstr(msg, "wraps around"), "populate past the address space: %d '%s'", rc, msg);
 }
 
@@ -860,12 +860,34 @@ static void test_efault(void)
     char *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m != MAP_FAILED) {
         m[5] = 42;
-        CHECK(fp_populate((uint64_t)(uintptr_t)m + 5, len - 5, msg, sizeof msg) == 0 && m[5] == 42,
+        CHECK(fp_populate((uint64_t)(uintptr_t)m + 5, len - 5, 1, msg, sizeof msg) == 0 && m[5] == 42,
               "populate keeps the bytes");
-        CHECK(fp_populate((uint64_t)(uintptr_t)m, 0, msg, sizeof msg) == 0, "populate nothing");
+        CHECK(fp_populate((uint64_t)(uintptr_t)m, 0, 1, msg, sizeof msg) == 0, "populate nothing");
         CHECK(fp_advise_huge((uint64_t)(uintptr_t)m, len, 0) <= len, "advise_huge covers at most the range");
         CHECK(fp_advise_huge((uint64_t)(uintptr_t)m, 100, 0) == 0, "advise_huge below 2 MiB");
         munmap(m, len);
+    }
+
+    /* populate for reading a private file mapping: the file's bytes, an EFAULT (never a
+     * SIGBUS) for the page past its end, EINVAL on a kernel without MADV_POPULATE_READ */
+    unsigned char page1[4096];
+    for (size_t i = 0; i < sizeof page1; i++)
+        page1[i] = (unsigned char)(i * 7 + 3);
+    write_whole_file(fresh(path, sizeof path, "populate-r"), page1, sizeof page1);
+    int fd = open(path, O_RDONLY);
+    char *fm = fd >= 0 ? mmap(NULL, 8192, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0) : MAP_FAILED;
+    if (fd >= 0)
+        close(fd);
+    if (CHECK(fm != MAP_FAILED, "map the file")) {
+        int r1 = fp_populate((uint64_t)(uintptr_t)fm, 4096, 0, msg, sizeof msg);
+        if (r1 == EINVAL) {
+            skip("MADV_POPULATE_READ: this kernel lacks it");
+        } else {
+            CHECK(r1 == 0 && memcmp(fm, page1, sizeof page1) == 0, "populate for reading: the file's bytes (%d)", r1);
+            int r2 = fp_populate((uint64_t)(uintptr_t)fm, 8192, 0, msg, sizeof msg);
+            CHECK(r2 == EFAULT, "populate past the file's end: EFAULT, not SIGBUS (%d)", r2);
+        }
+        munmap(fm, 8192);
     }
 }
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import io
+import mmap
 import os
 import zipfile
 
@@ -36,12 +38,13 @@ def _state():
 @pytest.mark.parametrize("writer", ["fastpersist", "torch"])
 @pytest.mark.parametrize("verify", [False, "auto"])
 @pytest.mark.parametrize("map_location", [None, "cpu", torch.device("cpu"), {"cpu": "cpu"}, lambda s, loc: s])
-def test_load_equals_torch_load(disk_dir, writer, verify, map_location):
+@pytest.mark.parametrize("mmap", [False, True])
+def test_load_equals_torch_load(disk_dir, writer, verify, map_location, mmap):
     obj = _state()
     path = os.path.join(disk_dir, "x.pt")
     (fp_core.save if writer == "fastpersist" else torch.save)(obj, path)
-    want = torch.load(path, weights_only=True, map_location=map_location)
-    got = fp_core.load(path, weights_only=True, verify=verify, map_location=map_location)
+    want = torch.load(path, weights_only=True, map_location=map_location, mmap=mmap)
+    got = fp_core.load(path, weights_only=True, verify=verify, map_location=map_location, mmap=mmap)
     assert_identical(got, want)
     assert got["row"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()  # aliasing kept
 
@@ -59,6 +62,92 @@ def test_loaded_tensors_are_ordinary_writable_memory(disk_dir):
     ints.add_(1)
     assert torch.equal(ints, obj["ints"] + 1)
     assert torch.equal(fp_core.load(path, weights_only=True, verify=True)["ints"], obj["ints"])
+
+
+def _mapped_files() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) == 6}
+
+
+def _sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_mmap_tensors_stay_on_the_file_copy_on_write(disk_dir):
+    """mmap=True: the tensors are the file's private mapping (listed in /proc/self/maps
+    while they live, gone once they are freed); writing one copies its pages and never
+    reaches the file; a save that replaces the file by rename leaves them as they were."""
+    path = os.path.join(disk_dir, "m.pt")
+    obj = _state()
+    fp_core.save(obj, path)
+    before = _sha(path)
+    got = fp_core.load(path, weights_only=True, mmap=True, verify=True)
+    assert path in _mapped_files()
+    assert_identical(got, obj)
+    got["ints"].add_(1)
+    assert torch.equal(got["ints"], obj["ints"] + 1) and _sha(path) == before
+    fp_core.save({"w": torch.zeros(300, 200)}, path)  # replaced by rename under the mapping
+    assert torch.equal(got["w"], obj["w"]) and torch.equal(got["half"], obj["half"])
+    assert torch.equal(fp_core.load(path, weights_only=True, mmap=True)["w"], torch.zeros(300, 200))
+    del got
+    gc.collect()
+    assert not any(p.startswith(path) for p in _mapped_files())
+
+
+def test_mmap_verify_names_a_damaged_tensor(disk_dir):
+    path = os.path.join(disk_dir, "m.pt")
+    fp_core.save({"a": torch.zeros(1 << 20), "b": torch.ones(1 << 20)}, path)
+    rec = next(r for r in fp_core.inspect(path) if r.get("tensor") == "b")
+    with open(path, "r+b") as f:
+        f.seek(rec["offset"] + rec["size"] // 2)
+        f.write(b"\x7f")
+    assert fp_core.load(path, weights_only=True, mmap=True)["a"].sum() == 0  # unchecked: loads
+    with pytest.raises(CorruptCheckpointError, match="tensor b"):
+        fp_core.load(path, weights_only=True, mmap=True, verify=True)
+
+
+def test_mmap_of_a_file_truncated_after_it_was_opened_is_corrupt_not_a_crash(disk_dir):
+    """The pages past a file's new end are an EFAULT of the populate call, never a SIGBUS."""
+    from fp_core.integrity import CheckpointFile
+
+    path = os.path.join(disk_dir, "m.pt")
+    fp_core.save({"a": torch.ones(12 << 20, dtype=torch.uint8)}, path)
+    with CheckpointFile(path) as cf:  # after the mapping, before its reads
+        buf = mmap.mmap(cf.fd, cf.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.truncate(path, cf.size // 3)
+        with pytest.raises(CorruptCheckpointError, match="truncated while it was being loaded"):
+            file_image.read_mapping_in(cf, buf, [])
+        buf.close()
+    with CheckpointFile(path) as cf:  # before the mapping
+        os.truncate(path, cf.size // 2)
+        with pytest.raises(CorruptCheckpointError, match="truncated while it was being loaded"):
+            file_image.map_image(cf, [])
+
+
+def test_mmap_falls_back_to_memory_of_its_own(disk_dir, monkeypatch):
+    """Where the file cannot be mapped whole (torch's legacy format) or the kernel cannot
+    populate a mapping for reading (before Linux 5.14: emulated by its EINVAL), mmap=True
+    loads the same tensors into memory of their own."""
+    import errno
+
+    legacy = os.path.join(disk_dir, "legacy.pt")
+    obj = _state()
+    torch.save(obj, legacy, _use_new_zipfile_serialization=False)
+    assert_identical(fp_core.load(legacy, weights_only=True, mmap=True), obj)
+    path = os.path.join(disk_dir, "m.pt")
+    fp_core.save(obj, path)
+    real = file_image._native.populate
+
+    def old_kernel(addr, n, *, write=True):
+        if not write:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(addr, n)
+
+    monkeypatch.setattr(file_image._native, "populate", old_kernel)
+    got = fp_core.load(path, weights_only=True, mmap=True, verify=True)
+    assert_identical(got, obj)
+    assert path not in _mapped_files()
 
 
 def test_map_location_meta_reads_no_bytes(disk_dir):
@@ -99,7 +188,8 @@ def _records(path: str) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("claimed", [400, 1 << 30])
-def test_pickle_asking_for_other_storage_bytes_is_corrupt(disk_dir, claimed):
+@pytest.mark.parametrize("mmap", [False, True])
+def test_pickle_asking_for_other_storage_bytes_is_corrupt(disk_dir, claimed, mmap):
     """A crafted file whose pickle claims more bytes for a storage than its record holds
     (the neighbours' bytes, or past the file): CorruptCheckpointError naming the pickle,
     never a tensor over other bytes."""
@@ -112,7 +202,7 @@ def test_pickle_asking_for_other_storage_bytes_is_corrupt(disk_dir, claimed):
     with open(bad, "wb") as f:
         f.write(_zip_with(recs))
     with pytest.raises(CorruptCheckpointError, match="data.pkl"):
-        fp_core.load(bad, weights_only=True)
+        fp_core.load(bad, weights_only=True, mmap=mmap)
 
 
 def _meta_pickle(nbytes: int) -> bytes:

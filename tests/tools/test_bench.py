@@ -32,10 +32,12 @@ def test_paired_ratio_pairs_rounds():
 def test_sync_bench_rounds_and_ratios(tmp_path):
     out_dir = tmp_path / "out"
     res = _bench(["--size", "8MiB", "--repeat", "2", "--dir", str(out_dir),
-                  "--only", "device,torch,fastpersist,load_torch,load_fastpersist"], cwd=str(tmp_path))
+                  "--only", "device,torch,fastpersist,load_torch,load_fastpersist,load_fastpersist_mmap_verify"],
+                 cwd=str(tmp_path))
     rows = {r["key"]: r for r in res["rows"]}
     assert res["repeat"] == 2 and res["warmup_rounds"] == 1  # 3 rounds ran, the first not counted
-    assert set(rows) == {"device", "torch", "fastpersist", "load_torch", "load_fastpersist"}
+    assert set(rows) == {"device", "torch", "fastpersist", "load_torch", "load_fastpersist",
+                         "load_fastpersist_mmap_verify"}
     for r in rows.values():
         assert not r["error"] and len(r["seconds"]) == 2 and all(s > 0 for s in r["seconds"])
     targets = {t["target"]: t for t in res["targets"]}
