@@ -880,6 +880,14 @@ static PyObject *mod_advise_huge(PyObject *m, PyObject *args, PyObject *kw)
     return PyLong_FromUnsignedLongLong(covered);
 }
 
+static PyObject *mod_crc32c_impl(PyObject *m, PyObject *args)
+{
+    const char *want = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &want))
+        return NULL;
+    return PyUnicode_FromString(fp_crc32c_impl(want));
+}
+
 static PyObject *mod_populate(PyObject *m, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"addr", "length", "write", NULL};
@@ -964,6 +972,10 @@ static PyMethodDef module_methods[] = {
      "advise_huge(addr, length, *, collapse=False) -> int: transparent huge pages under the\n"
      "2 MiB-aligned interior of raw memory (MADV_HUGEPAGE; with collapse, MADV_COLLAPSE too,\n"
      "GIL released). Returns the bytes covered, 0 where the kernel refused."},
+    {"crc32c_impl", (PyCFunction)mod_crc32c_impl, METH_VARARGS,
+     "crc32c_impl(want=None) -> str: the CRC-32C implementation in use ('software', 'sse4.2',\n"
+     "'vpclmulqdq'); a name this CPU supports, or 'best', switches the process to it (tests and\n"
+     "side-by-side measurements only: switch while no checksum runs)."},
     {"populate", (PyCFunction)(void (*)(void))mod_populate, METH_VARARGS | METH_KEYWORDS,
      "populate(addr, length, *, write=True) -> int: fault every page of the range in for writing on\n"
      "this thread (MADV_POPULATE_WRITE, else a touch per page; contents unchanged, GIL released).\n"

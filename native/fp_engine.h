@@ -48,6 +48,10 @@ enum {
 
 /* 1 when the CPU has SSE4.2 and the hardware CRC-32C is in use. */
 int fp_have_sse42(void);
+/* The CRC-32C implementation in use: "software", "sse4.2" or "vpclmulqdq" (the best this
+ * CPU has, by default). A name the CPU supports, or "best", switches every thread to it:
+ * for tests and side-by-side measurements only (switch while no checksum runs). */
+const char *fp_crc32c_impl(const char *want);
 /* CRC-32C (Castagnoli) of n bytes continuing the CRC `crc` (0 to start). */
 uint32_t fp_crc32c(uint32_t crc, const void *p, size_t n);
 /* CRC-32C of A||B from crc(A), crc(B) and len(B). */

@@ -252,8 +252,8 @@ static void test_crc(void)
 
     /* around both lane lengths of the hardware loop and the fused-copy piece, from
      * unaligned starts; continuation and combine at a third of the way */
-    static const size_t sizes[] = {1, 7, 8, 9, 63, 4095, 4097, 12287, 12288, 12289,
-                                   196607, 196608, 196609, 2 * 196608 + 4099};
+    static const size_t sizes[] = {1, 7, 8, 9, 63, 255, 256, 257, 271, 319, 320, 335, 511, 512, 513, 4095,
+                                   4097, 12287, 12288, 12289, 196607, 196608, 196609, 2 * 196608 + 4099};
     unsigned char *buf = xmalloc(2 * 196608 + 4099 + 8);
     for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
         size_t n = sizes[s];
@@ -276,7 +276,6 @@ static void test_crc(void)
     uint32_t a = fp_crc32c(0, digits, 9);
     CHECK(fp_crc32c_combine(a, fp_crc32c(0, zeros, 1000), 1000) == fp_crc32c(a, zeros, 1000), "combine zeros");
     (void)fp_crc32c_combine(1, 2, (uint64_t)BIG);
-    printf("crc32c: %s\n", fp_have_sse42() ? "SSE4.2" : "software (slice-by-8)");
 }
 
 static void test_copy_crc(void)
@@ -285,7 +284,8 @@ static void test_copy_crc(void)
     unsigned char *src = xmalloc(total);
     fill_random(src, total);
     static const size_t cases[][3] = {{0, 0, 3 * 196608 + 769}, {16, 3, 5000}, {5, 0, 255}, {16, 1, 256},
-                                      {1, 2, 0}, {32, 7, 196608 + 63}};
+                                      {1, 2, 0}, {32, 7, 196608 + 63}, {63, 0, 256 + 62}, {63, 1, 256 + 63},
+                                      {0, 5, 256 + 64 + 15}, {48, 0, 1000}, {1, 0, 30}};
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         size_t doff = cases[i][0], soff = cases[i][1], n = cases[i][2];
         for (int cached = 0; cached < 2; cached++) {
@@ -910,8 +910,20 @@ int main(int argc, char **argv)
         return 2;
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
-    test_crc();
-    test_copy_crc();
+    /* every CRC-32C implementation this CPU has, against the bit-by-bit definition */
+    static const char *const impls[] = {"software", "sse4.2", "vpclmulqdq"};
+    printf("crc32c: %s\n", fp_crc32c_impl(NULL));
+    for (size_t i = 0; i < sizeof impls / sizeof impls[0]; i++) {
+        if (strcmp(fp_crc32c_impl(impls[i]), impls[i]) != 0) {
+            char why[64];
+            snprintf(why, sizeof why, "crc32c %s: not on this CPU", impls[i]);
+            skip(why);
+            continue;
+        }
+        test_crc();
+        test_copy_crc();
+    }
+    fp_crc32c_impl("best");
     probe_backends();
     for (int b = FP_BK_IO_URING; b <= FP_BK_BUFFERED; b++)
         if (available[b])

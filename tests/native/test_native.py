@@ -125,11 +125,23 @@ def test_crc32c_known_vector():
     assert _native.crc32c(b"123456789") == py_crc32c(b"123456789")
 
 
-def test_crc32c_matches_reference_and_buffers():
+@pytest.fixture(params=["software", "sse4.2", "vpclmulqdq"])
+def crc_impl(request):
+    """Each CRC-32C implementation this CPU has, switched to for the test."""
+    if _native.crc32c_impl(request.param) != request.param:
+        _native.crc32c_impl("best")
+        pytest.skip(f"crc32c {request.param}: not on this CPU")
+    yield request.param
+    _native.crc32c_impl("best")
+
+
+def test_crc32c_matches_reference_and_buffers(crc_impl):
     rng = np.random.default_rng(1)
-    # sizes around both lane lengths of the hardware loop (3 x 4 KiB and 3 x 64 KiB),
-    # so each path and the hand-over between them is checked against the table
-    for size in [1, 7, 8, 63, 4095, 12288, 12289, 40000, 196607, 196608, 196608 + 12288 + 5, 2 * 196608 + 4099]:
+    # sizes around both lane lengths of the hardware loop (3 x 4 KiB and 3 x 64 KiB) and
+    # the folding loop's steps (256, 64, 16 bytes), so each path and the hand-over between
+    # them is checked against the table
+    for size in [1, 7, 8, 63, 255, 256, 257, 335, 4095, 12288, 12289, 40000, 196607, 196608,
+                 196608 + 12288 + 5, 2 * 196608 + 4099]:
         arr = rng.integers(0, 256, size=size, dtype=np.uint8)
         data = arr.tobytes()
         ref = py_crc32c(data)
@@ -325,13 +337,17 @@ def test_nonzero_start_and_zero_copy(tmp_path):
     assert stats["zero_copy_bytes"] == 512 * KiB + 256 * KiB  # e2 went through staging
 
 
-def test_copy_crc32c_copies_and_checksums():
+def test_copy_crc32c_copies_and_checksums(crc_impl):
     rng = np.random.default_rng(29)
     src = rng.integers(0, 256, size=3 * MiB + 77, dtype=np.uint8)
-    for lo, n in ((0, src.size), (5, 1000), (64, 2 * MiB), (3, 0)):
+    cases = ((0, src.size), (5, 1000), (64, 2 * MiB), (3, 0), (1, 255), (2, 256 + 63), (7, 319))
+    _native.crc32c_impl("software")  # the references: slice-by-8 tables, checked against the definition above
+    want = [_native.crc32c(src[lo : lo + n]) for lo, n in cases]
+    _native.crc32c_impl(crc_impl)
+    for (lo, n), ref in zip(cases, want):
         dst = np.zeros(n + 16, dtype=np.uint8)
         crc = _native.copy_crc32c(dst.ctypes.data + 8, src.ctypes.data + lo, n)
-        assert crc == _native.crc32c(src[lo : lo + n])
+        assert crc == ref
         assert np.array_equal(dst[8 : 8 + n], src[lo : lo + n])
         assert not dst[:8].any() and not dst[8 + n :].any()
     with pytest.raises(ValueError):

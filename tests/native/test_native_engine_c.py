@@ -102,3 +102,6 @@ def test_engine_c_program(build, tmp_path):
     assert r.returncode == 0, report
     assert r.stdout.strip().endswith("OK"), report
     assert "buffered" in r.stdout.splitlines()[-2], report
+    # the program checked every CRC-32C implementation up to the one this CPU uses by default
+    from fp_core import _native
+    assert f"crc32c: {_native.crc32c_impl()}" in r.stdout, report
