@@ -6,7 +6,7 @@ that fence. Each round runs every mode once on the same state (alternated, so a 
 this VM's speed hits all alike); the ratio is the median of per-round ratios to
 torch.save + fsync of the same state.
 
-    python benchmarks/fence_blocked.py --dir DIR --sizes 100MB,260MB,1GB --rounds 5 [--tensors 48]
+    python benchmarks/fence_blocked.py --dir DIR --sizes 100MB,260MB,1GB --rounds 5 [--tensors 48] [--crc-impl sse4.2]
 """
 
 from __future__ import annotations
@@ -50,8 +50,12 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=0,
                     help="a state of this many equal float32 tensors (model + Adam-like), instead of the "
                          "bench's 2412-tensor state, whose pickling (inside save()) then dominates")
+    ap.add_argument("--crc-impl", default="best",
+                    help="the CRC-32C implementation to measure with (fp_core._native.crc32c_impl): "
+                         "software, sse4.2, vpclmulqdq or best")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    print(f"crc32c: {fp_core._native.crc32c_impl(args.crc_impl)}")
     print(f"{'state':>8}  {'mode':<36} {'blocked s':>10} {'vs torch.save+fsync':>20}  per round")
     for size in [parse_size(s) for s in args.sizes.split(",")]:
         sd = (make_state_dict(size) if not args.tensors else

@@ -344,9 +344,12 @@ class AsyncCheckpointer:
         self._check_open()
         self._admit()
         # laid out congruent to the tensors' addresses: overlap writes them with no staging copy
+        # (a snapshot writes its copies, which the arena places congruent to any layout:
+        # the relayout would be time inside save() for nothing)
         prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
                                group=None if local else self.group, topology=self.topology,
-                               timeout_s=self.timeout_s, congruent=True, storage_options=storage_options,
+                               timeout_s=self.timeout_s, congruent=self.policy != "snapshot",
+                               storage_options=storage_options,
                                keep_local=keep_local, extra_files=extra_files)
         # An earlier failure is raised before a save of this rank alone is queued; a
         # collective save (the other ranks will wait for this one in it) is queued first,
@@ -413,6 +416,10 @@ class AsyncCheckpointer:
         handle = SaveHandle(prepared.final)
         # What the writer will read from live memory: it must not be freed meanwhile.
         live = _LiveMemory([s for s in big if s.host is None], handle._staged)
+        if not live.extents:
+            # every tensor was copied inside save(): the fence has nothing to wait for (not
+            # even the worker's wake-up, which would release nothing later)
+            handle._staged.set()
         if policy == "overlap" and live.extents and self._fence_can_copy(prepared):
             # the fence may copy what is still unwritten instead of waiting for it
             handle._cut = (FenceCut(prepared.plan), prepared, live)

@@ -160,3 +160,28 @@ def test_a_tensor_changed_before_a_fence_that_copies_it_is_caught_too(disk_dir):
     with pytest.raises(CorruptCheckpointError) as e:
         fp_core.verify(path)
     assert e.value.tensor == "b"
+
+
+def test_a_snapshot_copied_inside_save_needs_no_writer_at_the_fence(disk_dir):
+    """With a warm arena the snapshot is taken inside save(): the fence returns at once,
+    even while the writer is held on other work (it has nothing live left to read), and
+    the file holds the state as of save()."""
+    state = {"a": torch.full((3 * MiB,), 1.0), "b": torch.arange(2 * MiB, dtype=torch.float32)}
+    expected = {k: v.clone() for k, v in state.items()}
+    path = os.path.join(disk_dir, "snap.pt")
+    with AsyncCheckpointer(policy="snapshot", install_optimizer_hook=False) as ckpt:
+        ckpt.save(state, path).result()  # the first fills its arena on the writer
+        ckpt.wait()  # and the arena comes back warm
+        gate = threading.Event()
+        ckpt.enqueue(gate.wait)  # the writer is held
+        try:
+            h = ckpt.save(state, path)
+            done = threading.Event()
+            threading.Thread(target=lambda: (ckpt.fence(), done.set()), daemon=True).start()
+            assert done.wait(5), "the fence waited for the held writer"
+            for t in state.values():
+                t.fill_(-1.0)  # the optimizer step after the fence
+        finally:
+            gate.set()
+        assert h.result().extra["at_save_bytes"] == 20 * MiB  # copied inside save()
+    assert_identical(expected, fp_core.load(path, verify=True))
