@@ -31,9 +31,12 @@ def arena_layout(extents: list[StorageExtent]) -> tuple[list[int], int]:
 
 
 def arena_need(extents: list[StorageExtent]) -> tuple[int, bool]:
-    """The arena size ``extents`` need (no more for any of them in the same order) and
-    whether it must be pinned (a CUDA tensor among them)."""
-    return arena_layout(extents)[1], any(s.source.device.type == "cuda" for s in extents)
+    """The arena size ``extents`` need in any file layout (their bytes and at most an
+    alignment gap before each: the same state laid out congruent to its addresses, or
+    not, for an auto save that expects to snapshot, fits the same arena) and whether it
+    must be pinned (a CUDA tensor among them)."""
+    return (sum(s.length for s in extents) + (ARENA_ALIGN - 1) * len(extents),
+            any(s.source.device.type == "cuda" for s in extents))
 
 
 class Arena:

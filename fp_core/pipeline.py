@@ -309,6 +309,7 @@ class AsyncCheckpointer:
         self._finished: list[Handle] = []  # done with an error nobody has seen yet
         self._arenas: list[Arena] = []
         self._warm_failed = False  # no memory for one: auto stays on overlap
+        self._last_policy = ""  # the policy of the last save: auto lays the next one out for it
         self._draining = False  # wait() is draining the queue: a warm-up not begun is skipped
         self._thread: threading.Thread | None = None
         self._hook: Any = None
@@ -343,12 +344,15 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         self._check_open()
         self._admit()
-        # laid out congruent to the tensors' addresses: overlap writes them with no staging copy
-        # (a snapshot writes its copies, which the arena places congruent to any layout:
-        # the relayout would be time inside save() for nothing)
+        # Laid out congruent to the tensors' addresses: overlap writes them with no staging
+        # copy. A snapshot writes its copies, which the arena places congruent to any layout:
+        # the relayout would be time inside save() for nothing. auto expects the policy of its
+        # last save (a loop saves the same state); guessed wrong, an overlap save stages its
+        # writes and a snapshot pays the relayout once.
+        snapshot_next = self.policy == "snapshot" or (self.policy == "auto" and self._last_policy == "snapshot")
         prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
                                group=None if local else self.group, topology=self.topology,
-                               timeout_s=self.timeout_s, congruent=self.policy != "snapshot",
+                               timeout_s=self.timeout_s, congruent=not snapshot_next,
                                storage_options=storage_options,
                                keep_local=keep_local, extra_files=extra_files)
         # An earlier failure is raised before a save of this rank alone is queued; a
@@ -402,6 +406,7 @@ class AsyncCheckpointer:
                 prepared.stats.extra["policy_reason"] = "snapshot arena not yet warm"
                 if not (self._warm_failed or warming):
                     warm = (need, pin)
+        self._last_policy = policy
         arena = self._cpu_work_now(prepared, policy, small, big)
         try:
             return self._enqueue_job(prepared, policy, big, arena, on_commit, warm, t0)
