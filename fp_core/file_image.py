@@ -74,7 +74,9 @@ def applies(map_location: Any, mapped: bool = False) -> bool:
 
     if not AVAILABLE or getattr(config.load, "calculate_storage_offsets", False):
         return False
-    return mapped or map_location is None or _cpu_only(map_location)
+    if mapped and str(map_location) != "meta":  # meta tensors read no bytes: nothing to map in
+        return True
+    return map_location is None or _cpu_only(map_location)
 
 
 def resolve_weights_only(weights_only: bool | None) -> bool:

@@ -150,10 +150,14 @@ def test_mmap_falls_back_to_memory_of_its_own(disk_dir, monkeypatch):
     assert path not in _mapped_files()
 
 
-def test_map_location_meta_reads_no_bytes(disk_dir):
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize("meta", ["meta", torch.device("meta")])
+def test_map_location_meta_reads_no_bytes(disk_dir, mmap, meta, monkeypatch):
     path = os.path.join(disk_dir, "x.pt")
     fp_core.save(_state(), path)
-    got = fp_core.load(path, weights_only=True, map_location="meta")
+    monkeypatch.setattr(file_image, "map_image", None)  # never mapped, never read whole
+    monkeypatch.setattr(file_image, "read_image", None)
+    got = fp_core.load(path, weights_only=True, map_location=meta, mmap=mmap)
     assert got["w"].device.type == "meta" and got["w"].shape == (300, 200)
 
 
