@@ -19,6 +19,7 @@ cost more than they would overlap (measured; from memory they cost nothing). The
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
 import inspect
 import io
@@ -26,6 +27,7 @@ import mmap
 import os
 import pickle
 import threading
+import weakref
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -151,7 +153,7 @@ MAP_CHUNK = 16 << 20  # a populate call's share of a mapped file: several in fli
 MAP_THREADS = 4  # populate calls in flight: each keeps the kernel's reads of its range going
 
 
-def map_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap | None:
+def map_image(cf: CheckpointFile, checked: list[RecordInfo]) -> memoryview | None:
     """The file mapped private (copy-on-write), its pages read in by the kernel before
     anything is unpickled, ``MAP_THREADS`` ranges at once; each of the ``checked``
     storage records' CRC-32C computed on the same threads as its pages arrive. None where
@@ -163,20 +165,34 @@ def map_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap | None
     at the disk's speed where fresh memory does not. The tensors built on it stay mapped
     on the file, as those of ``torch.load(mmap=True)``: pages written are copied (private),
     and the file must not be truncated or rewritten in place while they live (FastPersist's
-    saves replace files by rename, which leaves a mapped file as it was).
+    saves replace files by rename, which leaves a mapped file as it was). A file found
+    shorter than it was opened, while its ranges are read in, is a CorruptCheckpointError;
+    one truncated after that raises SIGBUS where its pages are next read, as any mapping's.
     """
-    try:
-        buf = mmap.mmap(cf.fd, cf.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    except ValueError:  # Python's own check: the file is shorter than when it was opened
-        raise _truncated(cf, 0, cf.size) from None
-    try:
-        if not read_mapping_in(cf, buf, checked):
-            buf.close()
-            return None
-    except BaseException:
-        buf.close()
-        raise
-    return buf
+    buf = _map_private(cf.fd, cf.size)
+    if buf is None:  # a filesystem that cannot map files: memory of its own
+        return None
+    return buf if read_mapping_in(cf, buf, checked) else None  # unmapped when dropped
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_private(fd: int, size: int) -> memoryview | None:
+    """``size`` bytes of ``fd`` mapped private (copy-on-write), as a writable byte
+    memoryview; unmapped once nothing refers to it (the tensors built on it). Mapped here
+    rather than by Python's mmap, which keeps a duplicate of the descriptor open for the
+    mapping's life (one per loaded file). None where the filesystem cannot map files."""
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        return None
+    region = (ctypes.c_char * size).from_address(addr)
+    weakref.finalize(region, _libc.munmap, addr, size)
+    return memoryview(region).cast("B")
 
 
 def _truncated(cf: CheckpointFile, off: int, end: int) -> CorruptCheckpointError:
@@ -184,7 +200,7 @@ def _truncated(cf: CheckpointFile, off: int, end: int) -> CorruptCheckpointError
                                   f"(bytes [{off}, {end}) of {cf.size} are gone)")
 
 
-def read_mapping_in(cf: CheckpointFile, buf: mmap.mmap, checked: list[RecordInfo]) -> bool:
+def read_mapping_in(cf: CheckpointFile, buf: Any, checked: list[RecordInfo]) -> bool:
     """:func:`map_image`'s reads of ``buf``, the file's mapping; False where the kernel
     cannot (nothing read)."""
     addr = np.frombuffer(buf, dtype=np.uint8).ctypes.data
@@ -359,8 +375,10 @@ def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any,
     (:func:`map_image`) where the kernel allows, else on memory of their own."""
     wo = resolve_weights_only(weights_only)
     checked = _checked_records(cf, view) if view is not None else []
-    buf = map_image(cf, checked) if mapped else None
+    buf: Any = map_image(cf, checked) if mapped else None
     if buf is None:
+        if not (map_location is None or _cpu_only(map_location)):
+            return NotImplemented  # a device load reads storage by storage (see applies)
         buf = read_image(cf, checked)
     try:
         cf.image = memoryview(buf)[:cf.size]  # later reads of cf (checks, records' offsets) from memory

@@ -72,7 +72,7 @@ from .fence_cut import FenceCut
 from .job import SaveJob
 from .plan import StorageExtent
 from .stats import SaveStats
-from .writer import copy_to_host, mark_ready, snapshot_to_host, stage_cpu
+from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, mark_ready, snapshot_to_host, stage_cpu
 
 log = logging.getLogger("fastpersist")
 
@@ -346,10 +346,11 @@ class AsyncCheckpointer:
         self._admit()
         # Laid out congruent to the tensors' addresses: overlap writes them with no staging
         # copy. A snapshot writes its copies, which the arena places congruent to any layout:
-        # the relayout would be time inside save() for nothing. auto expects the policy of its
-        # last save (a loop saves the same state); guessed wrong, an overlap save stages its
-        # writes and a snapshot pays the relayout once.
-        snapshot_next = self.policy == "snapshot" or (self.policy == "auto" and self._last_policy == "snapshot")
+        # the relayout would be time inside save() for nothing. Expected from the policy of
+        # the last save (a loop saves the same state; a snapshot over its budget goes
+        # overlap); guessed wrong, an overlap save stages its writes and its fence waits
+        # for them (_fence_can_copy), a snapshot pays the relayout once.
+        snapshot_next = self.policy != "overlap" and self._last_policy == "snapshot"
         prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
                                group=None if local else self.group, topology=self.topology,
                                timeout_s=self.timeout_s, congruent=not snapshot_next,
@@ -498,8 +499,16 @@ class AsyncCheckpointer:
     def _fence_can_copy(self, prepared: SaveJob) -> bool:
         """Will an overlap save of ``prepared`` get a fence that copies the rest? (A local
         save of CPU tensors: collective, sharded and device saves keep the waiting fence.)"""
-        return (self.fence_copies_rest and prepared.plan is not None and not prepared.collective
-                and all(s.source.device.type == "cpu" for s in prepared.plan.storages))
+        if not (self.fence_copies_rest and prepared.plan is not None and not prepared.collective
+                and all(s.source.device.type == "cpu" for s in prepared.plan.storages)):
+            return False
+        # The checksums taken inside save() are keyed by ranges cut at the live address;
+        # the writer cuts a fence copy's at its arena slot, congruent to the file offset.
+        # They agree only where the address does (a layout not congruent to the tensors'
+        # addresses, or a tensor torch did not align, would leave the copy checksummed at
+        # the fence: a change before it stored under a matching checksum).
+        return all(s.offset % SNAPSHOT_CONGRUENCE == s.addr() % SNAPSHOT_CONGRUENCE
+                   for s in prepared.plan.storages if s.length > self.small_tensor_bytes)
 
     def _open_cut(self, cut: FenceCut, prepared: SaveJob, live: _LiveMemory) -> None:
         """The fence of an overlap save still writing: copy the storages not written yet

@@ -289,7 +289,7 @@ static inline uint32_t crc_fold_copy(uint32_t c, const unsigned char *p, unsigne
 
 FOLD_TARGET static uint32_t crc_raw_fold(uint32_t c, const unsigned char *p, size_t n)
 {
-    return crc_fold_copy(c, p, NULL, n, 0);
+    return crc_fold_copy(c, p, (unsigned char *)(uintptr_t)p, n, 0); /* mode 0 stores nothing: d only advances */
 }
 
 FOLD_TARGET static uint32_t copy_crc_fold(void *dst, const void *src, size_t n, uint32_t c, int stream)
@@ -321,9 +321,10 @@ FOLD_TARGET static uint32_t copy_crc_fold(void *dst, const void *src, size_t n, 
 
 static inline uint32_t crc_raw(uint32_t c, const void *p, size_t n)
 {
-    if (impl_used == IMPL_FOLD && n >= FOLD_MIN)
+    int impl = __atomic_load_n(&impl_used, __ATOMIC_RELAXED);
+    if (impl == IMPL_FOLD && n >= FOLD_MIN)
         return crc_raw_fold(c, p, n);
-    return impl_used != IMPL_SW ? crc_raw_hw(c, p, n) : crc_raw_sw(c, p, n);
+    return impl != IMPL_SW ? crc_raw_hw(c, p, n) : crc_raw_sw(c, p, n);
 }
 
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
@@ -344,11 +345,11 @@ const char *fp_crc32c_impl(const char *want)
     if (want) {
         for (int i = 0; i <= impl_best; i++)
             if (strcmp(want, impl_names[i]) == 0)
-                impl_used = i;
+                __atomic_store_n(&impl_used, i, __ATOMIC_RELAXED);
         if (strcmp(want, "best") == 0)
-            impl_used = impl_best;
+            __atomic_store_n(&impl_used, impl_best, __ATOMIC_RELAXED);
     }
-    return impl_names[impl_used];
+    return impl_names[__atomic_load_n(&impl_used, __ATOMIC_RELAXED)];
 }
 
 /* Public CRC-32C: continue the public value `crc` over n bytes. */
@@ -399,7 +400,7 @@ static void stream_copy(char *d, const char *s, size_t n)
  * without checksum). */
 static uint32_t copy_crc_impl(void *dst, const void *src, size_t n, uint32_t crc, int checksum, int stream)
 {
-    if (checksum && impl_used == IMPL_FOLD && n >= FOLD_MIN)
+    if (checksum && __atomic_load_n(&impl_used, __ATOMIC_RELAXED) == IMPL_FOLD && n >= FOLD_MIN)
         return ~copy_crc_fold(dst, src, n, ~crc, stream);
     uint32_t c = ~crc;
     const char *s = src;

@@ -189,3 +189,21 @@ def test_a_failure_recorded_while_the_write_runs_is_raised_before_publishing(dis
         job.run(on_body_written=lambda: job.fail(RuntimeError("boom")))
     assert not os.path.exists(path)
     assert_no_temps(disk_dir)
+
+
+def test_only_a_layout_congruent_to_the_addresses_gets_a_fence_that_copies(disk_dir):
+    """The checksums taken inside save() are keyed by ranges cut at the tensors' addresses,
+    and the writer cuts a fence copy's at its arena slot (congruent to the file offset):
+    a plan laid out otherwise (an auto save expecting a snapshot) must keep the waiting
+    fence, or a copy of bytes changed before the fence would be checksummed anew."""
+    state = {"b": torch.full((5 * MiB + 7,), 3.0)}  # torch places it at page + 64
+    with AsyncCheckpointer(install_optimizer_hook=False) as ckpt:
+        for congruent, can_copy in ((True, True), (False, False)):
+            job = fp_core.prepare(state, os.path.join(disk_dir, f"c{congruent}.pt"), congruent=congruent)
+            try:
+                (st,) = job.plan.storages
+                assert (st.offset % 4096 == st.addr() % 4096) is congruent
+                assert ckpt._fence_can_copy(job) is can_copy
+            finally:
+                job.abort()
+    assert_no_temps(disk_dir)

@@ -82,8 +82,10 @@ def test_mmap_tensors_stay_on_the_file_copy_on_write(disk_dir):
     obj = _state()
     fp_core.save(obj, path)
     before = _sha(path)
+    fds = len(os.listdir("/proc/self/fd"))
     got = fp_core.load(path, weights_only=True, mmap=True, verify=True)
     assert path in _mapped_files()
+    assert len(os.listdir("/proc/self/fd")) == fds  # the mapping holds no descriptor open
     assert_identical(got, obj)
     got["ints"].add_(1)
     assert torch.equal(got["ints"], obj["ints"] + 1) and _sha(path) == before

@@ -185,3 +185,32 @@ def test_a_snapshot_copied_inside_save_needs_no_writer_at_the_fence(disk_dir):
             gate.set()
         assert h.result().extra["at_save_bytes"] == 20 * MiB  # copied inside save()
     assert_identical(expected, fp_core.load(path, verify=True))
+
+
+def test_an_auto_save_laid_out_for_a_snapshot_that_goes_overlap_still_catches_a_change(disk_dir):
+    """After a snapshot, auto lays the next save out for a snapshot (not congruent to the
+    tensors' addresses). One that goes overlap instead (here: over the snapshot budget)
+    has its fence wait for the write rather than copy under checksums keyed at other
+    ranges: a tensor changed before that fence is still caught by verify."""
+    path = os.path.join(disk_dir, "mispredicted.pt")
+    with AsyncCheckpointer(install_optimizer_hook=False, snapshot_budget_bytes=16 * MiB) as ckpt:
+        small = {"a": torch.full((3 * MiB // 4,), 1.0)}
+        policies = []
+        for _ in range(2):
+            policies.append(ckpt.save(small, path).result().policy)
+            ckpt.enqueue(lambda: None, after=[]).result()  # the writer has warmed the arena
+        assert policies == ["overlap", "snapshot"]  # an overlap first, then into the warm arena
+        big = {"b": torch.full((5 * MiB + 7,), 3.0)}  # over the budget, an odd length
+        gate = threading.Event()
+        ckpt.enqueue(gate.wait)  # the writer is held
+        try:
+            h = ckpt.save(big, path)
+            big["b"].fill_(2.0)  # no fence first
+            threading.Timer(0.3, gate.set).start()
+            ckpt.fence()
+        finally:
+            gate.set()
+        assert h.result().policy == "overlap"
+    with pytest.raises(CorruptCheckpointError) as e:
+        fp_core.verify(path)
+    assert e.value.tensor == "b"
