@@ -254,8 +254,10 @@ class AsyncCheckpointer:
         fence_copies_rest: an ``overlap`` save's fence that finds the write unfinished
             copies what is not written yet into an arena (within
             ``snapshot_budget_bytes``) while the writer goes on, instead of waiting for
-            the write (:mod:`fp_core.fence_cut`; default True). Local CPU saves only:
-            collective, sharded and device saves keep waiting for their writes.
+            the write (:mod:`fp_core.fence_cut`; default True). Local CPU saves laid
+            out congruent to their tensors' addresses only: collective, sharded and
+            device saves, and an auto save laid out for the snapshot it expected, keep
+            waiting for their writes.
         writer_nice: scheduling niceness added to the writer thread and the engine
             threads it starts (Linux: per thread, inherited). 0 (default) keeps the
             caller's: where training keeps every core busy, a niced writer starves the
