@@ -161,8 +161,8 @@ def map_image(cf: CheckpointFile, checked: list[RecordInfo]) -> memoryview | Non
     5.14): the caller reads into memory of its own instead.
 
     Page-cache pages are filled by the disk, where new anonymous memory is first zeroed
-    by the guest (see the module and benchmarks/README.md): on a VM the mapping reads
-    at the disk's speed where fresh memory does not. The tensors built on it stay mapped
+    by the guest: on a VM the mapping can read near the disk's speed where fresh memory
+    cannot, though not in every hour (benchmarks/README.md, round 4). The tensors built on it stay mapped
     on the file, as those of ``torch.load(mmap=True)``: pages written are copied (private),
     and the file must not be truncated or rewritten in place while they live (FastPersist's
     saves replace files by rename, which leaves a mapped file as it was). A file found
