@@ -57,7 +57,10 @@ _UNPICKLE = _torch_unpickle()
 AVAILABLE = _UNPICKLE is not None
 
 
-def _cpu_only(map_location: Any) -> bool:
+def _on_cpu(map_location: Any) -> bool:
+    """Whether ``map_location`` leaves a CPU file's tensors on the CPU (None, or the CPU)."""
+    if map_location is None:
+        return True
     if isinstance(map_location, str):
         return map_location == "cpu"
     return isinstance(map_location, torch.device) and map_location.type == "cpu"
@@ -78,7 +81,7 @@ def applies(map_location: Any, mapped: bool = False) -> bool:
         return False
     if mapped and str(map_location) != "meta":  # meta tensors read no bytes: nothing to map in
         return True
-    return map_location is None or _cpu_only(map_location)
+    return _on_cpu(map_location)
 
 
 def resolve_weights_only(weights_only: bool | None) -> bool:
@@ -377,7 +380,7 @@ def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any,
     checked = _checked_records(cf, view) if view is not None else []
     buf: Any = map_image(cf, checked) if mapped else None
     if buf is None:
-        if not (map_location is None or _cpu_only(map_location)):
+        if not _on_cpu(map_location):
             return NotImplemented  # a device load reads storage by storage (see applies)
         buf = read_image(cf, checked)
     try:
@@ -391,7 +394,7 @@ def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any,
             if torch.serialization._is_torchscript_zip(zf):
                 return NotImplemented
             obj = NotImplemented
-            if map_location is None or _cpu_only(map_location):  # plain_unpickle builds CPU tensors only
+            if _on_cpu(map_location):  # plain_unpickle builds CPU tensors only
                 obj = plain_unpickle.unpickle(zf, _cpu_slices_at(zf, slices))
             if obj is NotImplemented:
                 obj = unpickle(zf, map_location, wo, slices, cf.path)

@@ -39,8 +39,8 @@ static uint32_t hw_big_lane_shift; /* x^(8*HW_BIG_LANE) mod P */
 enum { IMPL_SW, IMPL_HW, IMPL_FOLD };
 static int impl_best, impl_used;
 #define FOLD_MIN 256 /* four 64-byte accumulators to start the folding loop */
-/* Folding constants, one 128-bit lane each: (x^(64+D) mod P, x^D mod P), each times x and
- * laid out for a 64-bit reflected operand (see fold_consts). */
+/* Folding constants, one 128-bit lane each: (x^(63+D) mod P, x^(D-1) mod P), laid out for
+ * a 64-bit reflected operand (see fold_consts). */
 static uint64_t k_fold_2048[2], k_fold_512[2], k_fold_128[2], k_lanes[8];
 
 /* a(x) * b(x) modulo P(x), reflected representation (x^0 is bit 31). */
@@ -223,11 +223,7 @@ FOLD_TARGET static inline __m128i fold128(__m128i x, __m128i k, __m128i next)
     return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x, k, 0x00), _mm_clmulepi64_si128(x, k, 0x11)), next);
 }
 
-/* At least FOLD_MIN bytes: the raw register c is XORed into the first four bytes (a raw
- * CRC from c over M is the raw CRC from 0 over M with c XORed into its start), 256 bytes
- * a round go into four accumulators, which fold into one block of 16 congruent to
- * everything read; its raw CRC from 0 is the CRC of all of it, and crc32 finishes the tail. */
-/* 64 bytes from p, also stored at d (dst mode 0: not; 1: streaming, d 64-byte aligned;
+/* 64 bytes from p, also stored at d (mode 0: not; 1: streaming, d 64-byte aligned;
  * 2: cached stores) */
 FOLD_TARGET static inline __m512i load_copy(const unsigned char *p, unsigned char *d, int mode)
 {
@@ -239,8 +235,12 @@ FOLD_TARGET static inline __m512i load_copy(const unsigned char *p, unsigned cha
     return v;
 }
 
-/* The raw CRC of n >= FOLD_MIN bytes from c, copying them to dst on the way (mode: see
- * load_copy) in the same pass: each 64 bytes are loaded once for both. */
+/* The raw CRC of n >= FOLD_MIN bytes from c, copying them to d on the way (mode: see
+ * load_copy) in the same pass: each 64 bytes are loaded once for both.  The raw register c
+ * is XORed into the first four bytes (a raw CRC from c over M is the raw CRC from 0 over M
+ * with c XORed into its start), 256 bytes a round go into four accumulators, which fold
+ * into one block of 16 congruent to everything read; its raw CRC from 0 is the CRC of all
+ * of it, and crc32 finishes the tail. */
 FOLD_TARGET __attribute__((always_inline))
 static inline uint32_t crc_fold_copy(uint32_t c, const unsigned char *p, unsigned char *d, size_t n, int mode)
 {
