@@ -35,7 +35,7 @@ import torch
 
 from ..commit import fsync_file
 from .bench_args import ALL_ROWS, LOAD_ROWS, SAVE_ROWS, engine_options
-from .common import describe_device, format_targets, payload_bytes, remove
+from .common import describe_device, describe_pages, format_targets, payload_bytes, remove
 from .procinfo import status_field
 
 MiB = 1 << 20
@@ -455,6 +455,8 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     where = describe_device(device)
     log(f"state dict: {fmt_bytes(nbytes)} in {len(flat)} tensors on {where} (built in {time.perf_counter() - t0:.1f} s); "
         f"dir {os.path.abspath(args.dir)}; repeat {repeat} (median); torch threads {torch.get_num_threads()}")
+    huge_share, pages_line = describe_pages(list(flat.values()))
+    log(pages_line)
     peak_ok = check_peak_reset()
     if not peak_ok:
         log("warning: /proc/self/clear_refs does not reset VmHWM here; peak RSS column is process-wide")
@@ -601,6 +603,8 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         "engine_options": opts,
         "torch_threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
+        "huge_page_share": huge_share,
+        "pages": pages_line,
         "peak_rss_reset_works": peak_ok,
         "page_cache_drop_check": drop_check,
         "rows": [dict(asdict(r), median_seconds=r.median, gbps=r.gbps) for r in rows.values()],
@@ -661,6 +665,8 @@ def format_report(res: dict[str, Any]) -> str:
              f"{', on ' + res['device_name'] if res.get('device', 'cpu') != 'cpu' else ''}), "
              f"median of {res['repeat']} rounds after {res.get('warmup_rounds', 0)} warm-up (each round runs "
              f"every row once; ratios are medians of per-round ratios), dir {res['dir']}, {res['cpus']} CPUs"]
+    if res.get("pages"):
+        lines.append(res["pages"])
 
     def ratio(r: dict, base: str) -> str:
         b = by.get(base)

@@ -27,6 +27,28 @@ def describe_device(device: torch.device) -> str:
     return str(device)
 
 
+def describe_pages(tensors: list[torch.Tensor]) -> tuple[float | None, str]:
+    """Which pages the CPU tensors among ``tensors`` sit on: the share of their bytes on
+    transparent huge pages, and a line saying so. Staging and writing from 4 KiB pages
+    cost a save more than from 2 MiB ones on some machines (benchmarks/sync_gap.py), and
+    torch allocates 4 KiB pages unless ``THP_MEM_ALLOC_ENABLE=1`` is set, so a table's
+    figures depend on it."""
+    from .procinfo import huge_page_share, thp_mode
+
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type == "cpu":
+            st = t.untyped_storage()
+            if st.nbytes() and st.data_ptr():
+                seen[st.data_ptr()] = st.nbytes()
+    share = huge_page_share(sorted(seen.items()))
+    env = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    how = f"THP {thp_mode()}, THP_MEM_ALLOC_ENABLE={env if env is not None else 'unset'}"
+    if share is None:
+        return None, f"pages: not known ({how})"
+    return share, f"pages: {share:.0%} of the tensors' bytes on transparent huge pages ({how})"
+
+
 def remove(path: str) -> None:
     """Remove a benchmark file or directory (DCP writes one), if it is there."""
     if os.path.isdir(path):

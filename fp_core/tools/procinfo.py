@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import os
 import resource
 
@@ -38,6 +39,39 @@ def huge_page_bytes(addr: int, length: int) -> int:
 def resident_bytes(addr: int, length: int) -> int:
     """Bytes of [addr, addr+length) in memory (each mapping's Rss, prorated the same way)."""
     return _smaps_bytes(addr, length, "Rss:")
+
+
+def huge_page_share(ranges: list[tuple[int, int]]) -> float | None:
+    """The fraction of the bytes of these ``(addr, length)`` ranges (disjoint) backed by
+    transparent huge pages, from one read of /proc/self/smaps (prorated per mapping, as
+    :func:`huge_page_bytes`); None when there are no bytes or smaps cannot be read."""
+    total = sum(n for _, n in ranges)
+    if total <= 0:
+        return None
+    maps: list[tuple[int, int, int]] = []  # (start, end, AnonHugePages bytes), in address order
+    lo = hi = 0
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(None, 1)[0]
+                if "-" in head and not head.endswith(":"):
+                    a, b = head.split("-")
+                    lo, hi = int(a, 16), int(b, 16)
+                elif head == "AnonHugePages:":
+                    maps.append((lo, hi, int(line.split()[1]) * 1024))
+    except OSError:
+        return None
+    starts = [m[0] for m in maps]
+    huge = 0
+    for addr, n in ranges:
+        end = addr + n
+        i = max(0, bisect.bisect_right(starts, addr) - 1)
+        while i < len(maps) and maps[i][0] < end:
+            a, b, h = maps[i]
+            if b > addr and h:
+                huge += h * (min(b, end) - max(a, addr)) // (b - a)
+            i += 1
+    return min(1.0, huge / total)
 
 
 def _smaps_bytes(addr: int, length: int, field: str) -> int:

@@ -104,3 +104,34 @@ def test_snapshot_arena_is_on_huge_pages(disk_dir, huge):
             assert arena.huge_bytes == 0  # not advised (THP "always" may still back it)
         assert ckpt.huge_page_bytes == 0  # the live tensor was copied, not moved
     assert_identical(obj, torch.load(path, weights_only=True))
+
+
+def test_huge_page_share_reads_which_pages_back_tensors(monkeypatch):
+    """What the bench prints under its state dict: the share of the tensors' bytes on huge
+    pages, from one read of smaps, the same as the per-range reader finds."""
+    from fp_core import _native
+    from fp_core.tools.common import describe_pages
+    from fp_core.tools.procinfo import huge_page_bytes, huge_page_share
+    _needs_thp()
+    keep: list = []
+    small_pages = _isolated(8 * MiB, keep)
+    small_pages.fill_(1)  # faulted in without advice
+    huge = _isolated(16 * MiB + 4096, keep)
+    huge.fill_(2)
+    if _native.advise_huge(huge.data_ptr(), huge.numel(), collapse=True) == 0:
+        pytest.skip("the kernel declined MADV_COLLAPSE (Linux < 6.1?)")
+    ranges = [(t.data_ptr(), t.numel()) for t in (small_pages, huge)]
+    on_huge = huge_page_bytes(huge.data_ptr(), huge.numel())
+    assert on_huge >= 0.9 * _interior(huge)
+    expected = (huge_page_bytes(small_pages.data_ptr(), small_pages.numel()) + on_huge) / (24 * MiB + 4096)
+    assert huge_page_share(ranges) == pytest.approx(expected, abs=1e-6)
+    assert huge_page_share([ranges[1]]) == pytest.approx(on_huge / huge.numel(), abs=1e-6)
+    assert huge_page_share([]) is None
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    share, line = describe_pages([huge, torch.empty(0)])  # an empty tensor counts for nothing
+    whole = huge.untyped_storage()  # the storage counts, not the view of it
+    assert share == pytest.approx(huge_page_bytes(whole.data_ptr(), whole.nbytes()) / whole.nbytes(), abs=1e-6)
+    assert 0 < share < 1
+    assert f"{share:.0%} of the tensors' bytes on transparent huge pages" in line
+    assert "THP_MEM_ALLOC_ENABLE=1" in line
+    assert describe_pages([])[0] is None

@@ -318,6 +318,9 @@ def test_sync_bench_json_out_names_the_device(tmp_path):
     res = _bench(["--size", "4MiB", "--repeat", "1", "--warmup-rounds", "0", "--dir", str(tmp_path / "s"),
                   "--only", "torch,fastpersist,load_fastpersist", "--json-out", str(json_out)], cwd=str(tmp_path))
     assert res["device"] == "cpu" and json.loads(json_out.read_text()) == res
+    share = res["huge_page_share"]  # which pages the state sits on, said with every table
+    assert share is None or 0.0 <= share <= 1.0
+    assert res["pages"].startswith("pages: ") and "THP_MEM_ALLOC_ENABLE=" in res["pages"]
     assert {r["key"] for r in res["rows"]} == {"torch", "fastpersist", "load_fastpersist"}
 
 
