@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from fp_core import _native, save  # noqa: E402
 from fp_core.plan import build  # noqa: E402
 from fp_core.sizes import parse_size  # noqa: E402
-from fp_core.tools.bench import _aligned_buffer, flatten_tensors, make_state_dict, settle  # noqa: E402
+from fp_core.tools.bench import _aligned_buffer, make_state_dict, settle  # noqa: E402
 from fp_core.tools.common import describe_pages, payload_bytes, remove  # noqa: E402
 from fp_core.writer import _extents  # noqa: E402
 
@@ -118,7 +118,7 @@ def main() -> None:
     }
     print(f"{n / 2**30:.2f} GiB in {len(ext)} extents (tensors and zip headers); "
           f"{a.rounds} rounds, order alternated", flush=True)
-    print(describe_pages(list(flatten_tensors(sd).values()))[1], flush=True)
+    print(describe_pages(sd)[1], flush=True)
     times: dict[str, list[float]] = {k: [] for k in rows}
     for r in range(a.rounds + 1):  # round 0 warms up
         order = list(rows) if r % 2 else list(reversed(rows))

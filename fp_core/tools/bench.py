@@ -455,7 +455,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
     where = describe_device(device)
     log(f"state dict: {fmt_bytes(nbytes)} in {len(flat)} tensors on {where} (built in {time.perf_counter() - t0:.1f} s); "
         f"dir {os.path.abspath(args.dir)}; repeat {repeat} (median); torch threads {torch.get_num_threads()}")
-    huge_share, pages_line = describe_pages(list(flat.values()))
+    huge_share, pages_line = describe_pages(flat)
     log(pages_line)
     peak_ok = check_peak_reset()
     if not peak_ok:

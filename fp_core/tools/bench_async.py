@@ -72,7 +72,7 @@ from torch import nn
 
 from ..commit import fsync_file
 from .bench_args import DTYPE_NAMES, MODES, engine_options
-from .common import describe_device, format_targets, payload_bytes, remove
+from .common import describe_device, describe_pages, format_targets, payload_bytes, remove
 from .procinfo import cpu_seconds
 
 LABELS = {
@@ -471,6 +471,8 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         f"{nparams / 1e6:.1f}M params, "
         f"checkpoint {nbytes / 1e9:.2f} GB, batch {batch}, torch threads {torch.get_num_threads()}, "
         f"engine options {eng or 'defaults'}")
+    huge_share, pages_line = describe_pages(tr.state())
+    log(pages_line)  # what overlap writes in place from, and what a snapshot copies from
     writes = None
     if getattr(args, "write_probe", True):
         writes = measure_writes(tr, workdir, eng)
@@ -531,7 +533,7 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
            "device": str(tr.device), "device_name": where, "dtype": str(dtype).removeprefix("torch."),
            "adam": "fused" if fused else "default",
            "engine_options": eng, "compute_seconds": base["median_step"] if base else None,
-           "write_alone_seconds": writes, "modes": results}
+           "write_alone_seconds": writes, "huge_page_share": huge_share, "pages": pages_line, "modes": results}
     floor = next((r for r in results if r["mode"] == "disk" and r.get("slowdown_per_round")), None)
     if floor:
         for r in results:
@@ -671,7 +673,10 @@ def format_async(res: dict[str, Any]) -> str:
              f"{res.get('dtype', 'float32')} on {where}), "
              f"batch {res['batch']}, {res['rounds']} rounds x {res['iters']} iterations after {res['warmup']} warm-up, "
              f"torch threads {res['torch_threads']} of {res['cpus']} CPUs, engine {res['engine_options'] or 'defaults'}",
-             f"compute per iteration (no checkpoint): {compute}; write alone: {alone}", ""]
+             f"compute per iteration (no checkpoint): {compute}; write alone: {alone}"]
+    if res.get("pages"):
+        lines.append(res["pages"])
+    lines.append("")
     heads = ["", "step s (median)", "slowdown", "cost/ckpt s", "blocked/ckpt s", "vs torch.save", "CPU s/ckpt",
              "warm-up +s", "drain at end s"]
     table = []

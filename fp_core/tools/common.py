@@ -27,16 +27,26 @@ def describe_device(device: torch.device) -> str:
     return str(device)
 
 
-def describe_pages(tensors: list[torch.Tensor]) -> tuple[float | None, str]:
-    """Which pages the CPU tensors among ``tensors`` sit on: the share of their bytes on
-    transparent huge pages, and a line saying so. Staging and writing from 4 KiB pages
-    cost a save more than from 2 MiB ones on some machines (benchmarks/sync_gap.py), and
-    torch allocates 4 KiB pages unless ``THP_MEM_ALLOC_ENABLE=1`` is set, so a table's
-    figures depend on it."""
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def describe_pages(obj: Any) -> tuple[float | None, str]:
+    """Which pages the CPU tensors in ``obj`` (nested dicts, lists, tuples) sit on: the
+    share of their storages' bytes on transparent huge pages, and a line saying so.
+    Staging and writing from 4 KiB pages cost a save more than from 2 MiB ones on some
+    machines (benchmarks/sync_gap.py), and torch allocates 4 KiB pages unless
+    ``THP_MEM_ALLOC_ENABLE=1`` is set, so a table's figures depend on it."""
     from .procinfo import huge_page_share, thp_mode
 
     seen: dict[int, int] = {}
-    for t in tensors:
+    for t in _tensors(obj):
         if t.device.type == "cpu":
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr():

@@ -257,6 +257,7 @@ def test_async_bench_dtype_json_out_and_no_write_probe(tmp_path):
     assert json.loads(json_out.read_text()) == res
     text = format_async(res)
     assert "write alone: not measured" in text and "bfloat16 on cpu" in text
+    assert res["pages"].startswith("pages: ") and res["pages"] in text  # which pages the model sits on
 
 
 @pytest.mark.filterwarnings("ignore")
