@@ -7,7 +7,7 @@ see the skeleton's written segments and the storages' extents, which together ti
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class StorageExtent:
     # CUDA event recorded on the caller's stream at save time (writer.mark_ready): device
     # copies made later wait for it.
     ready: Any = None
+    # Whether ``_source`` lives in CPU memory, found once: the writer asks per storage
+    # several times a save, and a storage's ``device`` builds a new object every time.
+    _source_on_cpu: bool | None = field(default=None, repr=False, compare=False)
 
     @property
     def end(self) -> int:
@@ -64,10 +67,16 @@ class StorageExtent:
     @source.setter
     def source(self, tensor: torch.Tensor) -> None:
         self._source = tensor
+        self._source_on_cpu = None
 
     @property
     def on_cpu(self) -> bool:
-        return self.host is not None or self._source.device.type == "cpu"
+        if self.host is not None:
+            return True
+        cpu = self._source_on_cpu
+        if cpu is None:
+            cpu = self._source_on_cpu = self._source.device.type == "cpu"
+        return cpu
 
     @property
     def data(self) -> torch.Tensor:

@@ -222,6 +222,24 @@ class SparseFile(io.RawIOBase):
             i += 1
         return out
 
+    def gather(self, off: int, n: int) -> tuple[bytes, list[tuple[int, int]]]:
+        """The written parts of [off, off + n) joined into one buffer, and where each lies:
+        ``(offset relative to off, length)``, in order, back to back in the buffer. One
+        join, with no view object per segment (a plan has one segment per storage)."""
+        parts: list = []
+        where: list[tuple[int, int]] = []
+        end = off + n
+        starts, segs = self._starts, self._segs
+        i = max(0, bisect.bisect_right(starts, off) - 1)
+        while i < len(starts) and starts[i] < end:
+            s, b = starts[i], segs[i]
+            lo, hi = max(s, off), min(s + len(b), end)
+            if lo < hi:
+                parts.append(b if lo == s and hi == s + len(b) else memoryview(b)[lo - s: hi - s])
+                where.append((lo - off, hi - lo))
+            i += 1
+        return b"".join(parts), where
+
     def pwrite(self, off: int, data: bytes) -> None:
         self._put(off, data)
         self._size = max(self._size, off + len(data))

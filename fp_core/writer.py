@@ -255,21 +255,22 @@ def _extents(plan: FilePlan, storages: list[StorageExtent], lo: int, hi: int, co
     here per tensor than the engine spends writing it."""
     # The skeleton's bytes in the range, copied once into one buffer (thousands of
     # segments, one per storage gap, need no object each).
-    views = plan.skeleton.views_in(lo, hi - lo)
-    blob = b"".join([v for _, v in views])
+    blob, where = plan.skeleton.gather(lo, hi - lo)
     base = _bytes_addr(blob, keep) if blob else 0
     rows: list[tuple] = []
     at = 0
-    for rel, v in views:
-        n = len(v)
+    for rel, n in where:
         rows.append((lo + rel, base + at, n, None, None, 0))
         at += n
-    del views
     for s in storages:
-        a, b = max(s.offset, lo), min(s.offset + s.length, hi)
-        first = a - s.offset
+        so = s.offset
+        a = so if so > lo else lo
+        b = so + s.length
+        if b > hi:
+            b = hi
         if b <= a:  # an empty storage
             continue
+        first = a - so
         addr, n, known = s.addr() + first, b - a, s.host_crcs
         if n < congruence or (addr - a) % congruence:  # not congruent: one staged extent
             rows.append((a, addr, n, known.get((first, n)) if known else None, s, first))

@@ -28,6 +28,27 @@ def test_sparse_file_matches_a_real_buffer_under_random_writes():
         assert covered == written, trial  # holes stay holes: nothing is materialised
 
 
+def test_gather_joins_the_written_parts_of_a_range_as_views_in_finds_them():
+    """The writer hands the skeleton's bytes of a range to the engine as one buffer and a
+    list of (offset, length): the same bytes, at the same places, as the views it replaced,
+    for ranges that start and end inside segments, in holes, and past the end."""
+    rng = random.Random(2)
+    for trial in range(1000):
+        sf = SparseFile()
+        for _ in range(rng.randint(0, 10)):
+            sf.seek(rng.randint(0, 350))
+            sf.write(bytes(rng.randrange(256) for _ in range(rng.randint(0, 40))))
+        off, n = rng.randint(0, 420), rng.randint(0, 420)
+        blob, where = sf.gather(off, n)
+        views = sf.views_in(off, n)
+        assert where == [(rel, len(v)) for rel, v in views], trial
+        assert blob == b"".join(bytes(v) for _, v in views), trial
+        at = 0
+        for rel, m in where:  # each piece is the file's bytes at that offset
+            assert blob[at: at + m] == sf.pread(off + rel, m), trial
+            at += m
+
+
 def test_seek_past_end_makes_a_hole_not_bytes():
     sf = SparseFile()
     sf.write(b"head")
