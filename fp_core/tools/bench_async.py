@@ -72,7 +72,7 @@ from torch import nn
 
 from ..commit import fsync_file
 from .bench_args import DTYPE_NAMES, MODES, engine_options
-from .common import describe_device, describe_pages, format_targets, payload_bytes, remove
+from .common import describe_device, describe_pages, format_targets, payload_bytes, remove, tensors_in
 from .procinfo import cpu_seconds
 
 LABELS = {
@@ -210,7 +210,7 @@ class DiskOnly(Mode):
 
         from ..engine import EngineOptions
         self.options = EngineOptions(**engine_options)
-        tensors = _tensors(tr.state())  # device tensors too: their bytes are what a checkpoint writes
+        tensors = tensors_in(tr.state())  # device tensors too: their bytes are what a checkpoint writes
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.raw = torch.empty(self.nbytes + 4096, dtype=torch.uint8)
         skip = -self.raw.data_ptr() % 4096
@@ -252,16 +252,6 @@ class DiskOnly(Mode):
         if self.future is not None:
             self.future.result()
         self.pool.shutdown()
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
 
 
 class TorchSync(Mode):

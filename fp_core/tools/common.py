@@ -27,13 +27,14 @@ def describe_device(device: torch.device) -> str:
     return str(device)
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj`` (nested dicts, lists, tuples), in order."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
+        return [t for v in obj.values() for t in tensors_in(v)]
     if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
+        return [t for v in obj for t in tensors_in(v)]
     return []
 
 
@@ -46,7 +47,7 @@ def describe_pages(obj: Any) -> tuple[float | None, str]:
     from .procinfo import huge_page_share, thp_mode
 
     seen: dict[int, int] = {}
-    for t in _tensors(obj):
+    for t in tensors_in(obj):
         if t.device.type == "cpu":
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr():

@@ -46,20 +46,8 @@ def huge_page_share(ranges: list[tuple[int, int]]) -> float | None:
     transparent huge pages, from one read of /proc/self/smaps (prorated per mapping, as
     :func:`huge_page_bytes`); None when there are no bytes or smaps cannot be read."""
     total = sum(n for _, n in ranges)
-    if total <= 0:
-        return None
-    maps: list[tuple[int, int, int]] = []  # (start, end, AnonHugePages bytes), in address order
-    lo = hi = 0
-    try:
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):
-                    a, b = head.split("-")
-                    lo, hi = int(a, 16), int(b, 16)
-                elif head == "AnonHugePages:":
-                    maps.append((lo, hi, int(line.split()[1]) * 1024))
-    except OSError:
+    maps = _smaps_field("AnonHugePages:")
+    if total <= 0 or maps is None:
         return None
     starts = [m[0] for m in maps]
     huge = 0
@@ -76,6 +64,16 @@ def huge_page_share(ranges: list[tuple[int, int]]) -> float | None:
 
 def _smaps_bytes(addr: int, length: int, field: str) -> int:
     end, total = addr + length, 0
+    for lo, hi, n in _smaps_field(field) or []:
+        if lo < end and hi > addr:
+            total += n * (min(hi, end) - max(lo, addr)) // (hi - lo)
+    return total
+
+
+def _smaps_field(field: str) -> list[tuple[int, int, int]] | None:
+    """Every mapping of this process as ``(start, end, bytes)`` of one smaps field
+    (``Rss:``, ``AnonHugePages:``...), in address order; None if smaps cannot be read."""
+    out: list[tuple[int, int, int]] = []
     lo = hi = 0
     try:
         with open("/proc/self/smaps") as f:
@@ -84,12 +82,11 @@ def _smaps_bytes(addr: int, length: int, field: str) -> int:
                 if "-" in head and not head.endswith(":"):
                     a, b = head.split("-")
                     lo, hi = int(a, 16), int(b, 16)
-                elif head == field and lo < end and hi > addr:
-                    kb = int(line.split()[1])
-                    total += kb * 1024 * (min(hi, end) - max(lo, addr)) // (hi - lo)
+                elif head == field:
+                    out.append((lo, hi, int(line.split()[1]) * 1024))
     except OSError:
-        return 0
-    return total
+        return None
+    return out
 
 
 def thp_mode() -> str:

@@ -497,13 +497,8 @@ class _Net(torch.nn.Module):
 
 
 def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
+    from fp_core.tools.common import tensors_in
+    return tensors_in(obj)
 
 
 @pytest.fixture
