@@ -52,9 +52,11 @@ def describe_pages(obj: Any) -> tuple[float | None, str]:
             st = t.untyped_storage()
             if st.nbytes() and st.data_ptr():
                 seen[st.data_ptr()] = st.nbytes()
-    share = huge_page_share(sorted(seen.items()))
     env = os.environ.get("THP_MEM_ALLOC_ENABLE")
     how = f"THP {thp_mode()}, THP_MEM_ALLOC_ENABLE={env if env is not None else 'unset'}"
+    if not seen:
+        return None, f"pages: no tensor bytes in CPU memory ({how})"
+    share = huge_page_share(sorted(seen.items()))
     if share is None:
         return None, f"pages: not known ({how})"
     return share, f"pages: {share:.0%} of the tensors' bytes on transparent huge pages ({how})"
