@@ -117,14 +117,15 @@ def test_slowdown_target_says_whether_the_run_settles_it():
 
 
 def test_disk_floor_writes_the_checkpoints_bytes(tmp_path):
-    from fp_core.tools.bench_async import DiskOnly, Trainer, _tensors
+    from fp_core.tools.bench_async import DiskOnly, Trainer
+    from fp_core.tools.common import tensors_in
 
     tr = Trainer(64, 2, 8)
     tr.step()
     path = str(tmp_path / "floor.bin")
     mode = DiskOnly(path, tr, {})
     expected = b"".join(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                        for t in _tensors(tr.state()))
+                        for t in tensors_in(tr.state()))
     assert mode.nbytes == len(expected) > 0
     mode.save(tr)
     mode.save(tr)  # waits for the first write: one in flight
