@@ -209,17 +209,20 @@ class SparseFile(io.RawIOBase):
                 return memoryview(seg)[off - s: off + n - s]
         return self.pread(off, n)
 
+    def _span(self, off: int, end: int) -> range:
+        """Indices of the segments that may hold bytes of [off, end)."""
+        starts = self._starts
+        return range(max(0, bisect.bisect_right(starts, off) - 1), bisect.bisect_left(starts, end))
+
     def views_in(self, off: int, n: int) -> list[tuple[int, memoryview]]:
         """:meth:`segments_in` without copies (same caveat as :meth:`view`)."""
         out, end = [], off + n
-        i = max(0, bisect.bisect_right(self._starts, off) - 1)
         starts, segs = self._starts, self._segs
-        while i < len(starts) and starts[i] < end:
+        for i in self._span(off, end):
             s, b = starts[i], segs[i]
             lo, hi = max(s, off), min(s + len(b), end)
             if lo < hi:
                 out.append((lo - off, memoryview(b)[lo - s: hi - s]))
-            i += 1
         return out
 
     def gather(self, off: int, n: int) -> tuple[bytes, list[tuple[int, int]]]:
@@ -230,14 +233,12 @@ class SparseFile(io.RawIOBase):
         where: list[tuple[int, int]] = []
         end = off + n
         starts, segs = self._starts, self._segs
-        i = max(0, bisect.bisect_right(starts, off) - 1)
-        while i < len(starts) and starts[i] < end:
+        for i in self._span(off, end):
             s, b = starts[i], segs[i]
             lo, hi = max(s, off), min(s + len(b), end)
             if lo < hi:
                 parts.append(b if lo == s and hi == s + len(b) else memoryview(b)[lo - s: hi - s])
                 where.append((lo - off, hi - lo))
-            i += 1
         return b"".join(parts), where
 
     def pwrite(self, off: int, data: bytes) -> None:
