@@ -40,7 +40,14 @@ from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_records_against_zip, check_structure
 from .manifest import STRUCTURE, RecordInfo
 
-READ_THREADS = 4  # reads in flight: the native reader's own device-limit setting
+# Reads in flight. Into fresh memory (a whole-file load) the page faults, not the device,
+# are the limit: a few reads keep ahead of them, and more only overtake the fault-ahead
+# thread. Into memory already faulted in (load_into's targets, a staged copy out), the
+# device is the limit and wants more bytes in flight than that: many smaller reads, each
+# group's staging buffer (chunk + 2 blocks) within one 2 MiB huge page of the pool.
+READ_THREADS = 4
+DEEP_READ_THREADS = 32
+DEEP_READ_CHUNK = (2 << 20) - (4 << 10)
 _PAGE = mmap.PAGESIZE
 
 

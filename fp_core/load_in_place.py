@@ -6,8 +6,8 @@ storage carrying its offset in the file: read by :mod:`fp_core.plain_unpickle` w
 pickle is plain (the offsets from the local headers, all read in one scatter read), else
 by torch's unpickler (``map_location="meta"``). Each saved tensor is matched with the
 target's tensor at the same place (same keys, shape and dtype), and one native scatter
-read fills them all: pieces near each other in the file read together, a few MiB per
-request, O_DIRECT straight in where the target is aligned like the file. No fresh memory
+read fills them all: pieces near each other in the file read together, up to 2 MiB per
+request, many in flight, O_DIRECT straight in where the target is aligned like the file. No fresh memory
 is touched: the target's pages are already there. A target that cannot be filled in place
 (on a device, not contiguous, a view of part of a saved storage) is filled from a host
 copy of its record.
@@ -28,8 +28,9 @@ from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
 from .loader import FastReader
 
-READ_THREADS = file_image.READ_THREADS
-_PIECE_BYTES = 4 << 20  # the scatter read's chunk: fills are cut at its multiples in the file
+# Into the target's own memory, faulted in already: the device's depth (file_image).
+READ_THREADS = file_image.DEEP_READ_THREADS
+_PIECE_BYTES = file_image.DEEP_READ_CHUNK  # the scatter read's chunk: fills are cut at its multiples in the file
 
 
 @dataclass
@@ -167,7 +168,7 @@ def _scatter(reader: Any, fills: list[_Fill], checksum: bool) -> list[int]:
     Each fill is cut at multiples of the read chunk in the file, so a target aligned like
     the file (a file ``AsyncCheckpointer`` wrote) gets whole aligned chunks the kernel
     reads straight into it; the small pieces (thousands of small tensors, each large
-    tensor's ends) are read a few MiB of file at a time, not one request each.
+    tensor's ends) are read 2 MiB of file at a time, not one request each.
     """
     order = sorted(range(len(fills)), key=lambda i: fills[i].offset)
     pieces: list[tuple[int, int, int]] = []
@@ -216,7 +217,8 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
         for f in copied:
             off, size = f.record
             host = torch.empty(size, dtype=torch.uint8)
-            crc = reader.read_into(off, host.data_ptr(), size, checksum=view is not None, threads=READ_THREADS)
+            crc = reader.read_into(off, host.data_ptr(), size, checksum=view is not None, threads=READ_THREADS,
+                                   chunk_bytes=_PIECE_BYTES)
             if off in records:
                 check_crc(cf.path, records[off], crc)
                 checked.add(off)
