@@ -60,6 +60,7 @@ from torch.futures import Future
 from . import _native, commit, ziptail
 from .engine import EngineOptions
 from .errors import CorruptCheckpointError
+from .file_image import DEEP_READ_CHUNK, DEEP_READ_THREADS, READ_THREADS
 from .integrity import CheckpointFile, record_crc
 from .local import rename_os_error
 from .plan import FilePlan, StorageExtent, align_up, byte_view
@@ -442,16 +443,20 @@ class FastPersistReader(StorageReader):
                 (it["offset"], it["length"]): it for it in _read_manifest(path)["items"]}
             crcs = {k: (it["fqn"], it["crc32c"]) for k, it in items.items()} if self.verify else {}
             with CheckpointFile(path) as cf, cf.native_reader() as reader:
+                direct: list[tuple[Any, torch.Tensor, dict]] = []
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[req.storage_index]
                     if info.offset + info.length > cf.size:
                         raise CorruptCheckpointError(path, req.storage_index.fqn, f"item of {info.length} bytes at "
                                                      f"{info.offset} runs past the end of the {cf.size}-byte file")
-                    if req.type != LoadItemType.BYTE_IO and self._read_direct(
-                            reader, path, req, planner, items.get((info.offset, info.length))):
+                    it = items.get((info.offset, info.length))
+                    target = None if req.type == LoadItemType.BYTE_IO else _direct_target(req, planner, it)
+                    if target is not None:
+                        direct.append((req, target, it))
                         continue
                     buf = np.empty(info.length, dtype=np.uint8)
-                    crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=self.verify)
+                    crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=self.verify,
+                                           threads=READ_THREADS)
                     if self.verify:
                         _check_item(path, req.storage_index.fqn, info.offset, info.length, crc, crcs)
                     if req.type == LoadItemType.BYTE_IO:
@@ -465,37 +470,69 @@ class FastPersistReader(StorageReader):
                                                      f"holds {tuple(tensor.size())}, expected {tuple(target.size())}")
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
+                _read_direct(reader, path, direct, self.verify)
+            for req, target, _ in direct:
+                planner.commit_tensor(req, target)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_direct(self, reader: Any, path: str, req: Any, planner: LoadPlanner, it: dict | None) -> bool:
-        """Read a whole saved tensor's bytes straight into its target; False when this
-        request cannot be (no record of the bytes, a slice, another dtype or shape, a
-        target that is not contiguous CPU memory)."""
-        if it is None or "data" not in it:
-            return False
-        target = planner.resolve_tensor(req).detach()
-        shape = tuple(it["shape"])
-        if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != it["dtype"]
-                or tuple(target.shape) != shape or tuple(req.lengths) != shape
-                or any(req.storage_offsets)):
-            return False
-        (off, n), fqn = it["data"], req.storage_index.fqn
-        crc = reader.read_into(off, target.data_ptr(), n, checksum=self.verify) if n else 0
-        if self.verify:
-            # the whole item is checked: the blob's own bytes around the tensor's (a few
-            # hundred: torch.save's header and directory) are read for their checksum
+
+def _direct_target(req: Any, planner: LoadPlanner, it: dict | None) -> torch.Tensor | None:
+    """The target a whole saved tensor's bytes can be read straight into; None when this
+    request cannot be (no record of the bytes, a slice, another dtype or shape, a target
+    that is not contiguous CPU memory)."""
+    if it is None or "data" not in it:
+        return None
+    target = planner.resolve_tensor(req).detach()
+    shape = tuple(it["shape"])
+    if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != it["dtype"]
+            or tuple(target.shape) != shape or tuple(req.lengths) != shape or any(req.storage_offsets)):
+        return None
+    return target
+
+
+def _read_direct(reader: Any, path: str, batch: list[tuple[Any, torch.Tensor, dict]], verify: bool) -> None:
+    """Read every tensor of ``batch`` ((request, target, manifest item), in file order)
+    straight into its target, in one native scatter read with the device's depth: a rank
+    file of thousands of small tensors costs a few requests of ~2 MiB, not a device round
+    trip each, and large tensors keep many reads in flight. ``verify``: each whole item is
+    checked, the blob's own bytes around the tensor's (a few hundred: torch.save's header
+    and directory) read for its checksum."""
+    pieces: list[tuple[int, int, int]] = []
+    owner: list[int] = []
+    keep: list[np.ndarray] = []  # the head and tail buffers, alive until the read returns
+    for i, (_, target, it) in enumerate(batch):
+        off, n = it["data"]
+        spans = [(off, target.data_ptr(), n)]
+        if verify:
             head = np.empty(off - it["offset"], dtype=np.uint8)
             tail = np.empty(it["offset"] + it["length"] - off - n, dtype=np.uint8)
-            h = reader.read_into(it["offset"], head.ctypes.data, head.size, checksum=True) if head.size else 0
-            t = reader.read_into(off + n, tail.ctypes.data, tail.size, checksum=True) if tail.size else 0
-            whole = _native.crc32c_combine(_native.crc32c_combine(h, crc, n), t, tail.size)
-            if whole != it["crc32c"]:
-                raise CorruptCheckpointError(path, fqn, f"CRC-32C {whole:08x}, expected {it['crc32c']:08x}",
-                                             tensor=fqn)
-        planner.commit_tensor(req, target)
-        return True
+            keep += [head, tail]
+            spans = [(it["offset"], head.ctypes.data, head.size), *spans, (off + n, tail.ctypes.data, tail.size)]
+        for pos, addr, m in spans:
+            end = pos + m
+            while pos < end:  # cut at multiples of the chunk: aligned middles go straight in
+                k = min(end, (pos // DEEP_READ_CHUNK + 1) * DEEP_READ_CHUNK) - pos
+                pieces.append((pos, addr, k))
+                owner.append(i)
+                pos, addr = pos + k, addr + k
+    if not pieces:
+        return
+    # in file order, as the scatter read takes them (two requests for one item interleave;
+    # the sort is stable, so each item's own pieces stay in order for its checksum)
+    order = sorted(range(len(pieces)), key=lambda j: pieces[j][0])
+    pieces, owner = [pieces[j] for j in order], [owner[j] for j in order]
+    got = reader.read_scatter(pieces, checksum=verify, threads=DEEP_READ_THREADS, chunk_bytes=DEEP_READ_CHUNK)
+    if not verify:
+        return
+    whole = [0] * len(batch)
+    for (_, _, m), i, crc in zip(pieces, owner, got):
+        whole[i] = _native.crc32c_combine(whole[i], crc, m)
+    for (req, _, it), crc in zip(batch, whole):
+        if crc != it["crc32c"]:
+            fqn = req.storage_index.fqn
+            raise CorruptCheckpointError(path, fqn, f"CRC-32C {crc:08x}, expected {it['crc32c']:08x}", tensor=fqn)
 
 
 def _check_item(path: str, fqn: str, offset: int, length: int, crc: int, crcs: dict) -> None:
