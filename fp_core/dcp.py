@@ -60,7 +60,7 @@ from torch.futures import Future
 from . import _native, commit, ziptail
 from .engine import EngineOptions
 from .errors import CorruptCheckpointError
-from .file_image import DEEP_READ_CHUNK, DEEP_READ_THREADS, READ_THREADS
+from .file_image import READ_CHUNK, READ_THREADS
 from .integrity import CheckpointFile, record_crc
 from .local import rename_os_error
 from .plan import FilePlan, StorageExtent, align_up, byte_view
@@ -456,7 +456,7 @@ class FastPersistReader(StorageReader):
                         continue
                     buf = np.empty(info.length, dtype=np.uint8)
                     crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=self.verify,
-                                           threads=READ_THREADS)
+                                           threads=READ_THREADS, chunk_bytes=READ_CHUNK)
                     if self.verify:
                         _check_item(path, req.storage_index.fqn, info.offset, info.length, crc, crcs)
                     if req.type == LoadItemType.BYTE_IO:
@@ -513,7 +513,7 @@ def _read_direct(reader: Any, path: str, batch: list[tuple[Any, torch.Tensor, di
         for pos, addr, m in spans:
             end = pos + m
             while pos < end:  # cut at multiples of the chunk: aligned middles go straight in
-                k = min(end, (pos // DEEP_READ_CHUNK + 1) * DEEP_READ_CHUNK) - pos
+                k = min(end, (pos // READ_CHUNK + 1) * READ_CHUNK) - pos
                 pieces.append((pos, addr, k))
                 owner.append(i)
                 pos, addr = pos + k, addr + k
@@ -523,7 +523,7 @@ def _read_direct(reader: Any, path: str, batch: list[tuple[Any, torch.Tensor, di
     # the sort is stable, so each item's own pieces stay in order for its checksum)
     order = sorted(range(len(pieces)), key=lambda j: pieces[j][0])
     pieces, owner = [pieces[j] for j in order], [owner[j] for j in order]
-    got = reader.read_scatter(pieces, checksum=verify, threads=DEEP_READ_THREADS, chunk_bytes=DEEP_READ_CHUNK)
+    got = reader.read_scatter(pieces, checksum=verify, threads=READ_THREADS, chunk_bytes=READ_CHUNK)
     if not verify:
         return
     whole = [0] * len(batch)

@@ -40,14 +40,12 @@ from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_records_against_zip, check_structure
 from .manifest import STRUCTURE, RecordInfo
 
-# Reads in flight. Into fresh memory (a whole-file load) the page faults, not the device,
-# are the limit: a few reads keep ahead of them, and more only overtake the fault-ahead
-# thread. Into memory already faulted in (load_into's targets, a staged copy out), the
-# device is the limit and wants more bytes in flight than that: many smaller reads, each
-# group's staging buffer (chunk + 2 blocks) within one 2 MiB huge page of the pool.
-READ_THREADS = 4
-DEEP_READ_THREADS = 32
-DEEP_READ_CHUNK = (2 << 20) - (4 << 10)
+# Reads in flight, and their size: this disk reads faster with many smaller reads in flight
+# than with a few large ones, into memory faulted in before and into fresh memory alike
+# (benchmarks/read_depth.py). A chunk of 2 MiB less a page keeps a staged group's buffer
+# (chunk + 2 blocks) within one 2 MiB huge page of the staging pool.
+READ_THREADS = 32
+READ_CHUNK = (2 << 20) - (4 << 10)
 _PAGE = mmap.PAGESIZE
 
 
@@ -147,7 +145,7 @@ def read_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap:
         faulting = _FaultAhead(addr, length)
         try:
             with cf.native_reader() as reader:
-                _, crcs = reader.read_into(0, addr, cf.size, threads=READ_THREADS,
+                _, crcs = reader.read_into(0, addr, cf.size, threads=READ_THREADS, chunk_bytes=READ_CHUNK,
                                            ranges=[(r.offset, r.size) for r in checked])
         finally:
             faulting.stop()

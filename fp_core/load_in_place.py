@@ -28,9 +28,8 @@ from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
 from .loader import FastReader
 
-# Into the target's own memory, faulted in already: the device's depth (file_image).
-READ_THREADS = file_image.DEEP_READ_THREADS
-_PIECE_BYTES = file_image.DEEP_READ_CHUNK  # the scatter read's chunk: fills are cut at its multiples in the file
+READ_THREADS = file_image.READ_THREADS
+_PIECE_BYTES = file_image.READ_CHUNK  # the scatter read's chunk: fills are cut at its multiples in the file
 
 
 @dataclass

@@ -349,11 +349,11 @@ def save_fastpersist(sd: Any, path: str, opts: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------------------- load rows
 def load_device(path: str, buf: np.ndarray, nbytes: int) -> None:
     """The native reader into memory faulted in before, at the depth the device reads
-    fastest with (FastPersist's own reads into existing memory use it too)."""
+    fastest with (FastPersist's own reads use it too)."""
     from .. import _native
-    from ..file_image import DEEP_READ_CHUNK, DEEP_READ_THREADS
+    from ..file_image import READ_CHUNK, READ_THREADS
     with _native.Reader(path, direct=True) as r:
-        r.read_into(0, buf.ctypes.data, nbytes, checksum=False, threads=DEEP_READ_THREADS, chunk_bytes=DEEP_READ_CHUNK)
+        r.read_into(0, buf.ctypes.data, nbytes, checksum=False, threads=READ_THREADS, chunk_bytes=READ_CHUNK)
 
 
 def load_device_fresh(path: str, nbytes: int) -> None:
@@ -362,12 +362,12 @@ def load_device_fresh(path: str, nbytes: int) -> None:
     import mmap
 
     from .. import _native
-    from ..file_image import READ_THREADS
+    from ..file_image import READ_CHUNK, READ_THREADS
     buf = mmap.mmap(-1, -(-nbytes // 4096) * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         with _native.Reader(path, direct=True) as r:
             r.read_into(0, np.frombuffer(buf, dtype=np.uint8).ctypes.data, nbytes, checksum=False,
-                        threads=READ_THREADS)
+                        threads=READ_THREADS, chunk_bytes=READ_CHUNK)
     finally:
         buf.close()
 

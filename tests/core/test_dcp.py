@@ -413,10 +413,10 @@ def test_a_plain_save_does_not_pay_for_the_sharded_path(tmp_path):
 def test_many_small_tensors_and_one_over_several_read_chunks_load_exactly_and_are_checked(tmp_path):
     # One scatter read fills them all: small tensors grouped a few per request, the large
     # one cut at the read chunk; verify checks each whole item, header bytes included.
-    from fp_core.file_image import DEEP_READ_CHUNK
+    from fp_core.file_image import READ_CHUNK
 
     g = torch.Generator().manual_seed(7)
-    big_n = (2 * DEEP_READ_CHUNK + 12345) // 4
+    big_n = (2 * READ_CHUNK + 12345) // 4
     want = {"model": {f"p{i}": torch.randn(i % 7 + 1, generator=g) for i in range(600)}, "step": 1}
     want["model"]["big"] = torch.randn(big_n, generator=g)
     d = str(tmp_path / "ckpt")
