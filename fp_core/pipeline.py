@@ -464,12 +464,17 @@ class AsyncCheckpointer:
     def enqueue(self, fn: Callable[..., Any], *args: Any, after: Iterable[Handle] | None = None) -> Handle:
         """Run ``fn(*args)`` on the background worker after earlier jobs.
 
-        ``after`` (default: every save still pending now) must all have succeeded, or
-        ``fn`` is skipped and its handle carries the first failure.
+        ``after`` (default: every save still pending now, and every save that failed
+        without its failure raised to anyone yet) must all have succeeded, or ``fn`` is
+        skipped and its handle carries the first failure.
         """
         self._check_open()
         with self._cv:
-            deps = list(self._saves) if after is None else list(after)
+            # A save that failed before this call (a write error fails one at once) is no
+            # longer pending, but a job queued behind it (a rotation deleting an older
+            # checkpoint) must not run as if it had succeeded.
+            deps = (list(self._saves) + [h for h in self._finished if isinstance(h, SaveHandle) and not h._reported]
+                    if after is None else list(after))
         handle = Handle(getattr(fn, "__name__", "job"))
 
         def run() -> Any:
