@@ -7,7 +7,7 @@ alternated in every round, page cache dropped before each read.
         --device 4:4,8:8,16:4,32:2 --into 4:4,32:2 --load 4:4,32:2
 
 Prints each setting's median seconds and its median per-round ratio to the first device
-setting's. The settings FastPersist uses are ``fp_core.file_image``'s.
+setting's. The settings FastPersist uses are ``fp_core.read_depth``'s.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from fp_core import _native, file_image
-from fp_core import load_in_place as lip
+from fp_core import _native, read_depth
 from fp_core.api import load_into, prepare
 from fp_core.loader import load
 from fp_core.sizes import parse_size
@@ -31,12 +30,12 @@ MiB = 1 << 20
 
 def settings(text: str) -> list[tuple[int, int]]:
     """``"4:4,32:2"`` -> [(4, 4 MiB), (32, 2 MiB less a page)]: a 2 MiB chunk is
-    FastPersist's own (file_image.READ_CHUNK), whose staging buffer stays within one huge page."""
+    FastPersist's own (fp_core.read_depth.CHUNK), whose staging buffer stays within one huge page."""
     out = []
     for part in filter(None, text.split(",")):
         threads, mib = part.split(":")
         chunk = int(mib) * MiB
-        out.append((int(threads), file_image.READ_CHUNK if chunk == 2 * MiB else chunk))
+        out.append((int(threads), read_depth.CHUNK if chunk == 2 * MiB else chunk))
     return out
 
 
@@ -68,11 +67,11 @@ def main() -> None:
             r.read_into(0, buf.ctypes.data, size, checksum=False, threads=threads, chunk_bytes=chunk)
 
     def into(threads: int, chunk: int) -> None:
-        lip.READ_THREADS, lip._PIECE_BYTES = threads, chunk
+        read_depth.THREADS, read_depth.CHUNK = threads, chunk
         load_into(target, ckpt)
 
     def fresh(threads: int, chunk: int) -> None:
-        file_image.READ_THREADS, file_image.READ_CHUNK = threads, chunk
+        read_depth.THREADS, read_depth.CHUNK = threads, chunk
         load(ckpt, weights_only=True)
 
     rows: dict[str, tuple[str, Callable[[], None]]] = {}

@@ -57,11 +57,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _native, commit, ziptail
+from . import _native, commit, read_depth, ziptail
 from .engine import EngineOptions
 from .errors import CorruptCheckpointError
-from .file_image import READ_CHUNK, READ_THREADS
-from .integrity import CheckpointFile, record_crc
+from .integrity import CheckpointFile
 from .local import rename_os_error
 from .plan import FilePlan, StorageExtent, align_up, byte_view
 from .skeleton import SparseFile, capture
@@ -456,7 +455,7 @@ class FastPersistReader(StorageReader):
                         continue
                     buf = np.empty(info.length, dtype=np.uint8)
                     crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=self.verify,
-                                           threads=READ_THREADS, chunk_bytes=READ_CHUNK)
+                                           threads=read_depth.THREADS, chunk_bytes=read_depth.CHUNK)
                     if self.verify:
                         _check_item(path, req.storage_index.fqn, info.offset, info.length, crc, crcs)
                     if req.type == LoadItemType.BYTE_IO:
@@ -499,6 +498,7 @@ def _read_direct(reader: Any, path: str, batch: list[tuple[Any, torch.Tensor, di
     trip each, and large tensors keep many reads in flight. ``verify``: each whole item is
     checked, the blob's own bytes around the tensor's (a few hundred: torch.save's header
     and directory) read for its checksum."""
+    chunk = read_depth.CHUNK
     pieces: list[tuple[int, int, int]] = []
     owner: list[int] = []
     keep: list[np.ndarray] = []  # the head and tail buffers, alive until the read returns
@@ -513,7 +513,7 @@ def _read_direct(reader: Any, path: str, batch: list[tuple[Any, torch.Tensor, di
         for pos, addr, m in spans:
             end = pos + m
             while pos < end:  # cut at multiples of the chunk: aligned middles go straight in
-                k = min(end, (pos // READ_CHUNK + 1) * READ_CHUNK) - pos
+                k = min(end, (pos // chunk + 1) * chunk) - pos
                 pieces.append((pos, addr, k))
                 owner.append(i)
                 pos, addr = pos + k, addr + k
@@ -523,7 +523,7 @@ def _read_direct(reader: Any, path: str, batch: list[tuple[Any, torch.Tensor, di
     # the sort is stable, so each item's own pieces stay in order for its checksum)
     order = sorted(range(len(pieces)), key=lambda j: pieces[j][0])
     pieces, owner = [pieces[j] for j in order], [owner[j] for j in order]
-    got = reader.read_scatter(pieces, checksum=verify, threads=READ_THREADS, chunk_bytes=READ_CHUNK)
+    got = reader.read_scatter(pieces, checksum=verify, threads=read_depth.THREADS, chunk_bytes=chunk)
     if not verify:
         return
     whole = [0] * len(batch)
@@ -661,7 +661,6 @@ def verify_dir(path: str | os.PathLike) -> dict:
     d = os.fspath(path)
     table = _dir_manifest(d)
     nbytes = nitems = 0
-    scratch = np.empty(16 << 20, dtype=np.uint8)
     for name, manifest_crc in sorted(table.items()):
         path = os.path.join(d, name)
         try:
@@ -677,12 +676,11 @@ def verify_dir(path: str | os.PathLike) -> dict:
         with cf:
             if cf.size != doc["size"]:
                 raise CorruptCheckpointError(path, "<file>", f"file is {cf.size} bytes, manifest says {doc['size']}")
-            with cf.native_reader() as reader:
-                for it in doc["items"]:
-                    crc = record_crc(reader, it["offset"], it["length"], scratch) if it["length"] else 0
-                    if crc != it["crc32c"]:
-                        raise CorruptCheckpointError(path, it["fqn"], f"CRC-32C {crc:08x}, expected "
-                                                     f"{it['crc32c']:08x}", tensor=it["fqn"])
+            items = doc["items"]  # in file order (_read_manifest checks it)
+            for it, crc in zip(items, cf.crcs_of_ranges([(it["offset"], it["length"]) for it in items], "items")):
+                if crc != it["crc32c"]:
+                    raise CorruptCheckpointError(path, it["fqn"], f"CRC-32C {crc:08x}, expected "
+                                                 f"{it['crc32c']:08x}", tensor=it["fqn"])
         nbytes += doc["size"]
         nitems += len(doc["items"])
     extra = verify_extra_files(d)

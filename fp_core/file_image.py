@@ -35,17 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _native, plain_unpickle
+from . import _native, plain_unpickle, read_depth
 from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_records_against_zip, check_structure
 from .manifest import STRUCTURE, RecordInfo
 
-# Reads in flight, and their size: this disk reads faster with many smaller reads in flight
-# than with a few large ones, into memory faulted in before and into fresh memory alike
-# (benchmarks/read_depth.py). A chunk of 2 MiB less a page keeps a staged group's buffer
-# (chunk + 2 blocks) within one 2 MiB huge page of the staging pool.
-READ_THREADS = 32
-READ_CHUNK = (2 << 20) - (4 << 10)
 _PAGE = mmap.PAGESIZE
 
 
@@ -145,7 +139,7 @@ def read_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap:
         faulting = _FaultAhead(addr, length)
         try:
             with cf.native_reader() as reader:
-                _, crcs = reader.read_into(0, addr, cf.size, threads=READ_THREADS, chunk_bytes=READ_CHUNK,
+                _, crcs = reader.read_into(0, addr, cf.size, threads=read_depth.THREADS, chunk_bytes=read_depth.CHUNK,
                                            ranges=[(r.offset, r.size) for r in checked])
         finally:
             faulting.stop()

@@ -22,13 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _native
+from . import _native, read_depth
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 from .manifest import RECORD_SUFFIX, STRUCTURE, TAIL, TAIL_COMMENT_PREFIX, Manifest, RecordInfo
 from .plan import structure_ranges
 
 _CHUNK = 16 << 20  # bytes read at once when checksumming from the descriptor
-_SCATTER_BATCH = 64 << 20  # bytes of small ranges read by one scatter read when checksumming them
+_SCATTER_BATCH = 64 << 20  # scratch one scatter read fills when checksumming ranges (reused batch after batch)
 _EOCD_SCAN = 22 + 0xFFFF  # the zip's end record and the longest comment it can carry
 _LOCAL_HEADER = 30
 _MANIFEST_BYTES_PER_ENTRY = 64 << 10  # a manifest larger than this per zip entry is not ours
@@ -155,17 +155,28 @@ class CheckpointFile:
 
     def crc_of_ranges(self, ranges: list[tuple[int, int]]) -> int:
         """CRC-32C of the bytes of ``ranges`` ((offset, length) pairs, sorted, inside the
-        file) one after another; small ranges read together with the native scatter read."""
-        if self.image is not None or not ranges:
-            crc = 0
-            for off, n in ranges:
-                crc = _native.crc32c_combine(crc, self.crc(off, n), n)
-            return crc
-        pieces: list[tuple[int, int]] = []
-        for off, n in ranges:  # at most a chunk each, as the scatter read takes them
-            pieces += [(p, min(_CHUNK, off + n - p)) for p in range(off, off + n, _CHUNK)]
-        crc, i = 0, 0
-        scratch = np.empty(max(_SCATTER_BATCH, _CHUNK), dtype=np.uint8)  # holds a piece at least
+        file) one after another."""
+        crc = 0
+        for (_, n), part in zip(ranges, self.crcs_of_ranges(ranges)):
+            crc = _native.crc32c_combine(crc, part, n)
+        return crc
+
+    def crcs_of_ranges(self, ranges: list[tuple[int, int]], what: str = STRUCTURE) -> list[int]:
+        """CRC-32C of each of ``ranges`` ((offset, length) pairs, sorted by offset, inside
+        the file): native scatter reads at the loads' depth, a scratch buffer's worth at a
+        time, small ranges read together. ``what`` names the ranges in the error a file
+        cut short meanwhile raises."""
+        if self.image is not None:
+            return [self.crc(off, n) for off, n in ranges]
+        chunk = read_depth.CHUNK
+        pieces: list[tuple[int, int, int]] = []  # (offset, length, index of its range)
+        for k, (off, n) in enumerate(ranges):  # at most a chunk each, as the scatter read takes them
+            pieces += [(p, min(chunk, off + n - p), k) for p in range(off, off + n, chunk)]
+        crcs = [0] * len(ranges)
+        if not pieces:
+            return crcs
+        scratch = np.empty(min(_SCATTER_BATCH, sum(n for _, n, _ in pieces)), dtype=np.uint8)
+        i = 0
         with self.native_reader() as r:
             while i < len(pieces):  # a batch fills the scratch buffer
                 batch, used = [], 0
@@ -174,14 +185,14 @@ class CheckpointFile:
                     used += pieces[i][1]
                     i += 1
                 try:
-                    parts = r.read_scatter(batch, checksum=True, threads=4, chunk_bytes=_CHUNK)
+                    parts = r.read_scatter(batch, checksum=True, threads=read_depth.THREADS, chunk_bytes=chunk)
                 except EOFError:
                     end = max(off + n for off, _, n in batch)
-                    raise CorruptCheckpointError(self.path, STRUCTURE, f"file ends at byte {self.size}, before "
+                    raise CorruptCheckpointError(self.path, what, f"file ends at byte {self.size}, before "
                                                  f"{end}") from None
-                for (_, _, n), part in zip(batch, parts):
-                    crc = _native.crc32c_combine(crc, part, n)
-        return crc
+                for (_, _, n), (_, _, k), part in zip(batch, pieces[i - len(batch):i], parts):
+                    crcs[k] = _native.crc32c_combine(crcs[k], part, n)
+        return crcs
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -322,16 +333,6 @@ def _check_records(cf: CheckpointFile, m: Manifest, entries: list[zipfile.ZipInf
         raise CorruptCheckpointError(path, TAIL, "records run into the manifest")
 
 
-def record_crc(reader: _NamedReader, offset: int, size: int, scratch: np.ndarray) -> int:
-    crc, pos = 0, 0
-    while pos < size:
-        n = min(size - pos, scratch.nbytes)
-        part = reader.read_into(offset + pos, scratch.ctypes.data, n, checksum=True)
-        crc = _native.crc32c_combine(crc, part, n) if pos else part
-        pos += n
-    return crc
-
-
 def check_structure(cf: CheckpointFile, view: ManifestView) -> None:
     """Check the zip structure and the small records (pickle, version...) of a file."""
     m = view.manifest
@@ -351,12 +352,12 @@ def check_crc(path: str, record: RecordInfo, crc: int) -> None:
 
 
 def check_storages(cf: CheckpointFile, view: ManifestView, records: list[RecordInfo] | None = None) -> None:
-    """Check the storage records (every one, or ``records``) with the native reader."""
-    scratch = np.empty(_CHUNK, dtype=np.uint8)
-    with cf.native_reader() as reader:
-        for r in view.manifest.records if records is None else records:
-            if r.kind == "storage":
-                check_crc(cf.path, r, record_crc(reader, r.offset, r.size, scratch) if r.size else 0)
+    """Check the storage records (every one, or ``records``): read together, in file order,
+    the first damaged one in the file named."""
+    todo = sorted((r for r in (view.manifest.records if records is None else records) if r.kind == "storage"),
+                  key=lambda r: r.offset)
+    for r, crc in zip(todo, cf.crcs_of_ranges([(r.offset, r.size) for r in todo], "storage records")):
+        check_crc(cf.path, r, crc)
 
 
 def verify(path: str | os.PathLike) -> dict:

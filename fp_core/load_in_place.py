@@ -23,13 +23,10 @@ from typing import Any
 
 import torch
 
-from . import _native, file_image, loader, plain_unpickle
+from . import _native, file_image, loader, plain_unpickle, read_depth
 from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
 from .loader import FastReader
-
-READ_THREADS = file_image.READ_THREADS
-_PIECE_BYTES = file_image.READ_CHUNK  # the scatter read's chunk: fills are cut at its multiples in the file
 
 
 @dataclass
@@ -169,6 +166,7 @@ def _scatter(reader: Any, fills: list[_Fill], checksum: bool) -> list[int]:
     reads straight into it; the small pieces (thousands of small tensors, each large
     tensor's ends) are read 2 MiB of file at a time, not one request each.
     """
+    chunk = read_depth.CHUNK
     order = sorted(range(len(fills)), key=lambda i: fills[i].offset)
     pieces: list[tuple[int, int, int]] = []
     owner: list[int] = []
@@ -176,11 +174,11 @@ def _scatter(reader: Any, fills: list[_Fill], checksum: bool) -> list[int]:
         f = fills[i]
         pos, end, addr = f.offset, f.offset + f.nbytes, f.target.data_ptr()
         while pos < end:
-            n = min(end, (pos // _PIECE_BYTES + 1) * _PIECE_BYTES) - pos
+            n = min(end, (pos // chunk + 1) * chunk) - pos
             pieces.append((pos, addr + pos - f.offset, n))
             owner.append(i)
             pos += n
-    got = reader.read_scatter(pieces, checksum=checksum, threads=READ_THREADS, chunk_bytes=_PIECE_BYTES)
+    got = reader.read_scatter(pieces, checksum=checksum, threads=read_depth.THREADS, chunk_bytes=chunk)
     crcs = [0] * len(fills)
     if checksum:
         for (_, _, n), i, crc in zip(pieces, owner, got):  # a fill's pieces come in file order
@@ -216,8 +214,8 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
         for f in copied:
             off, size = f.record
             host = torch.empty(size, dtype=torch.uint8)
-            crc = reader.read_into(off, host.data_ptr(), size, checksum=view is not None, threads=READ_THREADS,
-                                   chunk_bytes=_PIECE_BYTES)
+            crc = reader.read_into(off, host.data_ptr(), size, checksum=view is not None,
+                                   threads=read_depth.THREADS, chunk_bytes=read_depth.CHUNK)
             if off in records:
                 check_crc(cf.path, records[off], crc)
                 checked.add(off)

@@ -350,10 +350,10 @@ def save_fastpersist(sd: Any, path: str, opts: dict[str, Any]) -> Any:
 def load_device(path: str, buf: np.ndarray, nbytes: int) -> None:
     """The native reader into memory faulted in before, at the depth the device reads
     fastest with (FastPersist's own reads use it too)."""
-    from .. import _native
-    from ..file_image import READ_CHUNK, READ_THREADS
+    from .. import _native, read_depth
     with _native.Reader(path, direct=True) as r:
-        r.read_into(0, buf.ctypes.data, nbytes, checksum=False, threads=READ_THREADS, chunk_bytes=READ_CHUNK)
+        r.read_into(0, buf.ctypes.data, nbytes, checksum=False, threads=read_depth.THREADS,
+                    chunk_bytes=read_depth.CHUNK)
 
 
 def load_device_fresh(path: str, nbytes: int) -> None:
@@ -361,13 +361,12 @@ def load_device_fresh(path: str, nbytes: int) -> None:
     tensors must use: the reads fault its pages in."""
     import mmap
 
-    from .. import _native
-    from ..file_image import READ_CHUNK, READ_THREADS
+    from .. import _native, read_depth
     buf = mmap.mmap(-1, -(-nbytes // 4096) * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         with _native.Reader(path, direct=True) as r:
             r.read_into(0, np.frombuffer(buf, dtype=np.uint8).ctypes.data, nbytes, checksum=False,
-                        threads=READ_THREADS, chunk_bytes=READ_CHUNK)
+                        threads=read_depth.THREADS, chunk_bytes=read_depth.CHUNK)
     finally:
         buf.close()
 

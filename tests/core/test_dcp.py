@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import HELPERS, free_port, run_ranks
+from conftest import HELPERS, flip_byte, free_port, run_ranks
 
 import fp_core
 from fp_core.dcp import FastPersistReader, FastPersistWriter, staging_path
@@ -104,11 +104,7 @@ def test_a_damaged_item_is_found_and_named(tmp_path):
     dcp.save(state(3), storage_writer=FastPersistWriter(d))
     item = next(r for r in fp_core.inspect(d) if r["tensor"] == "model.w")
     path = os.path.join(d, "__0_0.distcp")
-    with open(path, "r+b") as f:
-        f.seek(item["offset"] + item["size"] - 100)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(path, item["offset"] + item["size"] - 100, 0x10)
     with pytest.raises(CorruptCheckpointError, match="model.w") as ei:
         fp_core.verify(d)
     assert ei.value.path == path
@@ -166,11 +162,7 @@ def test_a_damaged_tensor_byte_is_found_when_read_straight_into_its_target(tmp_p
     got = blank()
     dcp.load(got, storage_reader=FastPersistReader(d, verify=True))  # intact: loads, equal
     assert_state(got, state(5))
-    with open(os.path.join(d, "__0_0.distcp"), "r+b") as f:
-        f.seek(w["data"][0] + 1000)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 4]))
+    flip_byte(os.path.join(d, "__0_0.distcp"), w["data"][0] + 1000, 4)
     with pytest.raises(BaseException) as ei:
         dcp.load(blank(), storage_reader=FastPersistReader(d, verify=True))
     err = failure(ei)
@@ -220,11 +212,7 @@ def test_a_missing_or_swapped_piece_is_found(tmp_path, loss):
     if loss in ("its manifest", "both"):
         os.unlink(data + ".fastpersist.json")
     if loss == ".metadata damaged":
-        with open(os.path.join(d, ".metadata"), "r+b") as f:
-            f.seek(10)
-            b = f.read(1)
-            f.seek(10)
-            f.write(bytes([b[0] ^ 1]))
+        flip_byte(os.path.join(d, ".metadata"), 10)
     with pytest.raises(CorruptCheckpointError):
         fp_core.verify(d)
 
@@ -413,10 +401,10 @@ def test_a_plain_save_does_not_pay_for_the_sharded_path(tmp_path):
 def test_many_small_tensors_and_one_over_several_read_chunks_load_exactly_and_are_checked(tmp_path):
     # One scatter read fills them all: small tensors grouped a few per request, the large
     # one cut at the read chunk; verify checks each whole item, header bytes included.
-    from fp_core.file_image import READ_CHUNK
+    from fp_core.read_depth import CHUNK
 
     g = torch.Generator().manual_seed(7)
-    big_n = (2 * READ_CHUNK + 12345) // 4
+    big_n = (2 * CHUNK + 12345) // 4
     want = {"model": {f"p{i}": torch.randn(i % 7 + 1, generator=g) for i in range(600)}, "step": 1}
     want["model"]["big"] = torch.randn(big_n, generator=g)
     d = str(tmp_path / "ckpt")
@@ -432,11 +420,7 @@ def test_many_small_tensors_and_one_over_several_read_chunks_load_exactly_and_ar
     doc = json.loads(open(os.path.join(d, "__0_0.distcp.fastpersist.json")).read())
     big = next(it for it in doc["items"] if it["fqn"] == "model.big")
     assert big["data"][0] - big["offset"] > 0  # torch.save's own header bytes lie before the tensor's
-    with open(os.path.join(d, "__0_0.distcp"), "r+b") as f:  # damage one of them
-        f.seek(big["offset"] + 10)
-        b = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([b[0] ^ 1]))
+    flip_byte(os.path.join(d, "__0_0.distcp"), big["offset"] + 10)  # damage one of them
     with pytest.raises(BaseException) as ei:
         dcp.load(blank_like(), storage_reader=FastPersistReader(d, verify=True))
     err = failure(ei)
