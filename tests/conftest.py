@@ -31,6 +31,15 @@ GiB = 1024 * MiB
 # ---------------------------------------------------------------- file systems
 
 
+def flip_byte(path: str, offset: int, mask: int = 0x01) -> None:
+    """Damage one byte of a file in place: its bits in ``mask`` inverted."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def free_port() -> str:
     """A TCP port on loopback nobody listens on now (for torch.distributed rendezvous)."""
     with socket.socket() as s:

@@ -10,6 +10,7 @@ import zipfile
 import pytest
 import torch
 from conftest import assert_identical
+from conftest import flip_byte as _flip
 
 import fp_core
 from fp_core import CorruptCheckpointError, NotAFastPersistCheckpoint
@@ -35,14 +36,6 @@ def _patch(path: str, offset: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(data)
-
-
-def _flip(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 def _expect_corrupt(
