@@ -579,6 +579,11 @@ class AsyncCheckpointer:
         self._maybe_remove_hook()
         self._raise_pending()
 
+    def raise_failures(self) -> None:
+        """Raise the failure of a background job that ended since the last report, without
+        waiting for anything (a caller about to act as if its saves had succeeded)."""
+        self._raise_pending()
+
     def pending(self, path: str | os.PathLike | None = None) -> bool:
         with self._cv:
             if path is None:

@@ -49,7 +49,8 @@ What the plugin does
   removes it (its writer is dead).
 * ``remove_checkpoint`` runs on the background worker after every pending save, so a
   ``save_top_k`` rotation never deletes a file still being written, and is skipped when
-  one of those saves failed (the older checkpoint is kept).
+  one of those saves failed, or one that ended before the call failed unreported (the
+  older checkpoint is kept; the failure is raised).
 * ``load_checkpoint`` waits for a pending save of that path. ``teardown()`` drains all.
 * Errors in the background are raised at the next plugin call, at the next optimizer
   step, or at ``teardown()`` (never masking an exception already propagating), so
@@ -330,9 +331,13 @@ class _FastPersistIOImpl:
             with self._lock:
                 self._sweep()
                 ckpt = self._ckpt
-                if ckpt is not None and ckpt.pending():
-                    ckpt.enqueue(remove)  # errors surface at the next call, like a save's
-                    return
+                if ckpt is not None:
+                    if ckpt.pending():
+                        ckpt.enqueue(remove)  # errors surface at the next call, like a save's
+                        return
+                    # None pending, but one may have failed since the last call: the
+                    # checkpoint it was to replace stays (the failure is raised instead).
+                    ckpt.raise_failures()
             remove()
         except Exception as e:
             self.errors.handle(e, f"removing checkpoint {path}")

@@ -170,6 +170,34 @@ def test_save_load_remove_semantics(tmp_path):
     assert fp_core.verify(p) is not None
 
 
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_removing_the_older_checkpoint_after_a_save_already_failed_keeps_it(tmp_path, fault, on_error):
+    # save_top_k's rotation: save the new checkpoint, then remove the one it replaces. When
+    # the save fails before the removal is asked for (a full disk fails it at once), the
+    # older checkpoint must stay, and the failure be reported.
+    io = FastPersistIO(on_error=on_error)
+    training_running()
+    old, new = tmp_path / "old.ckpt", tmp_path / "new.ckpt"
+    io.save_checkpoint({"v": torch.ones(256)}, old)
+    io.wait()
+    fault("write", errno=28)  # ENOSPC
+    io.save_checkpoint({"v": torch.randn(1024, 1024)}, new)
+    for entries in list(io._pending.values()):  # the save has ended (failed), nobody told yet
+        for e in entries:
+            assert e.handle.exception(timeout=60) is not None
+    if on_error == "raise":
+        with pytest.raises(Exception, match="No space left"):
+            io.remove_checkpoint(old)
+    else:
+        with pytest.warns(FastPersistWarning, match="No space left"):
+            io.remove_checkpoint(old)
+    assert torch.equal(torch.load(old)["v"], torch.ones(256))
+    assert not new.exists()
+    io.remove_checkpoint(old)  # reported: the next removal runs
+    assert not old.exists()
+    io.teardown()
+
+
 def test_blocking_saves(tmp_path):
     io = FastPersistIO()
     training_running()
