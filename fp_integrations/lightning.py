@@ -51,7 +51,8 @@ What the plugin does
   ``save_top_k`` rotation never deletes a file still being written, and is skipped when
   one of those saves failed, or one that ended before the call failed unreported (the
   older checkpoint is kept; the failure is raised).
-* ``load_checkpoint`` waits for a pending save of that path. ``teardown()`` drains all.
+* ``load_checkpoint`` waits for a pending save of that path (and raises one that already
+  failed rather than read the older file past it). ``teardown()`` drains all.
 * Errors in the background are raised at the next plugin call, at the next optimizer
   step, or at ``teardown()`` (never masking an exception already propagating), so
   ``fit()`` fails; ``on_error="warn"`` turns them into warnings and training continues.
@@ -665,6 +666,9 @@ class _FastPersistIOImpl:
             for t in targets:
                 if ckpt.pending(t):
                     ckpt.wait_for(t)
+            # a save that failed before this call (of this path: the file there is the older
+            # one) is raised as a pending one is, not read past
+            ckpt.raise_failures()
         except Exception as e:
             self.errors.handle(e, f"waiting for checkpoint {path}")
         with self._lock:

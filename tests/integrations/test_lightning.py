@@ -198,6 +198,31 @@ def test_removing_the_older_checkpoint_after_a_save_already_failed_keeps_it(tmp_
     io.teardown()
 
 
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_loading_a_path_whose_new_save_already_failed_says_so(tmp_path, fault, on_error):
+    # The save over an existing checkpoint fails (and ends) before the load: the file there
+    # is the older one, and the load must not return it as if the save had succeeded.
+    io = FastPersistIO(on_error=on_error)
+    training_running()
+    p = tmp_path / "last.ckpt"
+    io.save_checkpoint({"v": torch.ones(256)}, p)
+    io.wait()
+    fault("write", errno=28)  # ENOSPC
+    io.save_checkpoint({"v": torch.zeros(1024, 1024)}, p)
+    for entries in list(io._pending.values()):  # ended (failed), nobody told yet
+        for e in entries:
+            assert e.handle.exception(timeout=60) is not None
+    if on_error == "raise":
+        with pytest.raises(Exception, match="No space left"):
+            io.load_checkpoint(p)
+    else:
+        with pytest.warns(FastPersistWarning, match="No space left"):
+            out = io.load_checkpoint(p)
+        assert torch.equal(out["v"], torch.ones(256))  # told, then given the older file
+    assert torch.equal(io.load_checkpoint(p)["v"], torch.ones(256))  # reported once
+    io.teardown()
+
+
 def test_blocking_saves(tmp_path):
     io = FastPersistIO()
     training_running()
