@@ -170,27 +170,39 @@ def test_save_load_remove_semantics(tmp_path):
     assert fp_core.verify(p) is not None
 
 
+def save_then_fail(io, fault, first, second) -> None:
+    """``{"v": ones(256)}`` saved durably to ``first``, then a save to ``second`` that fails
+    at once (ENOSPC) and has ended, its failure raised to nobody yet."""
+    training_running()
+    io.save_checkpoint({"v": torch.ones(256)}, first)
+    io.wait()
+    fault("write", errno=28)
+    io.save_checkpoint({"v": torch.zeros(1024, 1024)}, second)
+    for entries in list(io._pending.values()):
+        for e in entries:
+            assert e.handle.exception(timeout=60) is not None
+
+
+def told(on_error: str, fn):
+    """``fn()`` under the plugin's error policy, the full disk named: raised ("raise"), or
+    warned and ``fn``'s result returned ("warn")."""
+    if on_error == "raise":
+        with pytest.raises(Exception, match="No space left"):
+            fn()
+        return None
+    with pytest.warns(FastPersistWarning, match="No space left"):
+        return fn()
+
+
 @pytest.mark.parametrize("on_error", ["raise", "warn"])
 def test_removing_the_older_checkpoint_after_a_save_already_failed_keeps_it(tmp_path, fault, on_error):
     # save_top_k's rotation: save the new checkpoint, then remove the one it replaces. When
     # the save fails before the removal is asked for (a full disk fails it at once), the
     # older checkpoint must stay, and the failure be reported.
     io = FastPersistIO(on_error=on_error)
-    training_running()
     old, new = tmp_path / "old.ckpt", tmp_path / "new.ckpt"
-    io.save_checkpoint({"v": torch.ones(256)}, old)
-    io.wait()
-    fault("write", errno=28)  # ENOSPC
-    io.save_checkpoint({"v": torch.randn(1024, 1024)}, new)
-    for entries in list(io._pending.values()):  # the save has ended (failed), nobody told yet
-        for e in entries:
-            assert e.handle.exception(timeout=60) is not None
-    if on_error == "raise":
-        with pytest.raises(Exception, match="No space left"):
-            io.remove_checkpoint(old)
-    else:
-        with pytest.warns(FastPersistWarning, match="No space left"):
-            io.remove_checkpoint(old)
+    save_then_fail(io, fault, old, new)
+    told(on_error, lambda: io.remove_checkpoint(old))
     assert torch.equal(torch.load(old)["v"], torch.ones(256))
     assert not new.exists()
     io.remove_checkpoint(old)  # reported: the next removal runs
@@ -203,21 +215,10 @@ def test_loading_a_path_whose_new_save_already_failed_says_so(tmp_path, fault, o
     # The save over an existing checkpoint fails (and ends) before the load: the file there
     # is the older one, and the load must not return it as if the save had succeeded.
     io = FastPersistIO(on_error=on_error)
-    training_running()
     p = tmp_path / "last.ckpt"
-    io.save_checkpoint({"v": torch.ones(256)}, p)
-    io.wait()
-    fault("write", errno=28)  # ENOSPC
-    io.save_checkpoint({"v": torch.zeros(1024, 1024)}, p)
-    for entries in list(io._pending.values()):  # ended (failed), nobody told yet
-        for e in entries:
-            assert e.handle.exception(timeout=60) is not None
-    if on_error == "raise":
-        with pytest.raises(Exception, match="No space left"):
-            io.load_checkpoint(p)
-    else:
-        with pytest.warns(FastPersistWarning, match="No space left"):
-            out = io.load_checkpoint(p)
+    save_then_fail(io, fault, p, p)
+    out = told(on_error, lambda: io.load_checkpoint(p))
+    if on_error == "warn":
         assert torch.equal(out["v"], torch.ones(256))  # told, then given the older file
     assert torch.equal(io.load_checkpoint(p)["v"], torch.ones(256))  # reported once
     io.teardown()
