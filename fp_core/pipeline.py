@@ -123,6 +123,8 @@ def fence_before_update(args: Any, kwargs: Any, fence: Callable[[], None]) -> An
 class Handle:
     """The future of one background job (a save, or a function queued with ``enqueue``)."""
 
+    writes_checkpoint = False  # a save, or a job queued as one (enqueue(..., save=True))
+
     def __init__(self, path: str | None = None, internal: bool = False) -> None:
         self.path = path
         self.internal = internal  # our own housekeeping: not a pending write for pending()
@@ -159,6 +161,8 @@ class Handle:
 
 
 class SaveHandle(Handle):
+    writes_checkpoint = True
+
     def result(self, timeout: float | None = None) -> SaveStats:
         return super().result(timeout)
 
@@ -309,6 +313,7 @@ class AsyncCheckpointer:
         self._jobs: deque[tuple[Handle, Callable[[], Any]]] = deque()
         self._saves: list[SaveHandle] = []  # saves not yet done, in order
         self._finished: list[Handle] = []  # done with an error nobody has seen yet
+        self._save_jobs: list[Handle] = []  # jobs queued with enqueue(save=True), not finished
         self._arenas: list[Arena] = []
         self._warm_failed = False  # no memory for one: auto stays on overlap
         self._last_policy = ""  # the policy of the last save: auto lays the next one out for it
@@ -461,21 +466,26 @@ class AsyncCheckpointer:
 
         return self.enqueue(decline, self.group, self.timeout_s, after=[])
 
-    def enqueue(self, fn: Callable[..., Any], *args: Any, after: Iterable[Handle] | None = None) -> Handle:
+    def enqueue(self, fn: Callable[..., Any], *args: Any, after: Iterable[Handle] | None = None,
+                save: bool = False) -> Handle:
         """Run ``fn(*args)`` on the background worker after earlier jobs.
 
         ``after`` (default: every save still pending now, and every save that failed
         without its failure raised to anyone yet) must all have succeeded, or ``fn`` is
-        skipped and its handle carries the first failure.
+        skipped and its handle carries the first failure. ``save``: ``fn`` writes a
+        checkpoint (a save of the caller's own), and counts as a save in later jobs'
+        default ``after``.
         """
         self._check_open()
+        handle = Handle(getattr(fn, "__name__", "job"))
+        handle.writes_checkpoint = save
         with self._cv:
             # A save that failed before this call (a write error fails one at once) is no
             # longer pending, but a job queued behind it (a rotation deleting an older
             # checkpoint) must not run as if it had succeeded.
-            deps = (list(self._saves) + [h for h in self._finished if isinstance(h, SaveHandle) and not h._reported]
+            deps = ([*self._saves, *self._save_jobs, *(h for h in self._finished
+                                                       if h.writes_checkpoint and not h._reported)]
                     if after is None else list(after))
-        handle = Handle(getattr(fn, "__name__", "job"))
 
         def run() -> Any:
             for d in deps:
@@ -487,6 +497,8 @@ class AsyncCheckpointer:
 
         with self._cv:
             self._jobs.append((handle, run))
+            if save:
+                self._save_jobs.append(handle)
             self._ensure_worker()
             self._cv.notify_all()
         return handle
@@ -579,10 +591,11 @@ class AsyncCheckpointer:
         self._maybe_remove_hook()
         self._raise_pending()
 
-    def raise_failures(self) -> None:
-        """Raise the failure of a background job that ended since the last report, without
-        waiting for anything (a caller about to act as if its saves had succeeded)."""
-        self._raise_pending()
+    def raise_failures(self, saves_only: bool = False) -> None:
+        """Raise the failure of a background job that ended since the last report (with
+        ``saves_only``, of a save; other failures wait for the next report), without
+        waiting for anything: for a caller about to act as if its saves had succeeded."""
+        self._raise_pending(saves_only)
 
     def pending(self, path: str | os.PathLike | None = None) -> bool:
         with self._cv:
@@ -665,10 +678,10 @@ class AsyncCheckpointer:
             while len(self._saves) >= limit:
                 self._cv.wait()
 
-    def _raise_pending(self) -> None:
+    def _raise_pending(self, saves_only: bool = False) -> None:
         with self._cv:
-            failed = [h for h in self._finished if not h._reported]
-            self._finished = []
+            failed = [h for h in self._finished if not h._reported and (h.writes_checkpoint or not saves_only)]
+            self._finished = [h for h in self._finished if not h._reported and h not in failed]
         if failed:
             h = failed[0]
             for other in failed[1:]:
@@ -706,6 +719,8 @@ class AsyncCheckpointer:
                 # wakes on it (wait_for, fence) also finds the error to raise.
                 if isinstance(handle, SaveHandle) and handle in self._saves:
                     self._saves.remove(handle)
+                if handle.writes_checkpoint and handle in self._save_jobs:
+                    self._save_jobs.remove(handle)
                 if error is not None and not handle._reported:
                     self._finished.append(handle)
                 handle._finish(result, error)

@@ -336,9 +336,9 @@ class _FastPersistIOImpl:
                     if ckpt.pending():
                         ckpt.enqueue(remove)  # errors surface at the next call, like a save's
                         return
-                    # None pending, but one may have failed since the last call: the
+                    # None pending, but a save may have failed since the last call: the
                     # checkpoint it was to replace stays (the failure is raised instead).
-                    ckpt.raise_failures()
+                    ckpt.raise_failures(saves_only=True)
             remove()
         except Exception as e:
             self.errors.handle(e, f"removing checkpoint {path}")
@@ -523,7 +523,7 @@ class _FastPersistIOImpl:
             return stats
 
         save.__name__ = f"save {path}"  # names the job in errors
-        handle = ckpt.enqueue(save, after=[])  # runs even if an earlier save failed: the peers wait for it
+        handle = ckpt.enqueue(save, after=[], save=True)  # runs even if an earlier save failed: the peers wait for it
         self._pending.setdefault(path, []).append(_Pending(handle, None))
         if blocking:
             handle.result()
@@ -666,8 +666,8 @@ class _FastPersistIOImpl:
             for t in targets:
                 if ckpt.pending(t):
                     ckpt.wait_for(t)
-            # a save that failed before this call (of this path: the file there is the older
-            # one) is raised as a pending one is, not read past
+            # a failure since the last call is raised here, as a pending save's is: if it
+            # was a save of this path, the file there is the older one, not to be read past
             ckpt.raise_failures()
         except Exception as e:
             self.errors.handle(e, f"waiting for checkpoint {path}")

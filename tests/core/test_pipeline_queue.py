@@ -186,3 +186,49 @@ def test_wait_for_and_pending(disk_dir):
         assert os.path.exists(a)
         ckpt.wait()
         assert not ckpt.pending()
+
+
+@pytest.mark.parametrize("failed_before_queued", [False, True])
+def test_a_job_queued_as_a_save_is_waited_for_like_one(tmp_path, failed_before_queued):
+    # Lightning's FSDP1 saves are jobs (enqueue(save=True)): a removal queued with the default
+    # `after` waits for one still running, and is skipped when it failed, reported or not yet.
+    old = tmp_path / "old.pt"
+    old.write_bytes(b"x")
+    release = threading.Event()
+
+    def save() -> None:
+        release.wait(60)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ckpt = AsyncCheckpointer()
+    try:
+        job = ckpt.enqueue(save, save=True)
+        if failed_before_queued:
+            release.set()
+            assert isinstance(job.exception(timeout=60), OSError)
+            assert not ckpt.pending()
+        removal = ckpt.enqueue(os.remove, str(old))
+        release.set()
+        with pytest.raises(AsyncCheckpointError, match="skipped") as ei:
+            removal.result(timeout=60)
+        assert isinstance(ei.value.__cause__, OSError)
+        assert old.exists()
+        ckpt.wait()  # reported through the removal's handle
+    finally:
+        ckpt.close()
+
+
+def test_raise_failures_of_saves_only_leaves_other_failures_for_the_next_report(tmp_path):
+    ckpt = AsyncCheckpointer()
+    try:
+        def upload() -> None:
+            raise ConnectionError("store unreachable")
+
+        job = ckpt.enqueue(upload)
+        assert isinstance(job.exception(timeout=60), ConnectionError)
+        ckpt.raise_failures(saves_only=True)  # not a save: nothing raised, nothing dropped
+        with pytest.raises(AsyncCheckpointError, match="store unreachable"):
+            ckpt.raise_failures()
+        ckpt.raise_failures()  # reported once
+    finally:
+        ckpt.close()
