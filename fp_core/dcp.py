@@ -441,6 +441,10 @@ class FastPersistReader(StorageReader):
             items = {} if not (self.verify or os.path.exists(path + MANIFEST_SUFFIX)) else {
                 (it["offset"], it["length"]): it for it in _read_manifest(path)["items"]}
             crcs = {k: (it["fqn"], it["crc32c"]) for k, it in items.items()} if self.verify else {}
+            # DCP's own planners hand out the state's tensors and commit nothing: their targets
+            # are read together, after the rest. Another planner's are read and committed
+            # one by one, in order (its resolve_tensor may reuse one buffer).
+            together = _plain_planner(planner)
             with CheckpointFile(path) as cf, cf.native_reader() as reader:
                 direct: list[tuple[Any, torch.Tensor, dict]] = []
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
@@ -450,8 +454,12 @@ class FastPersistReader(StorageReader):
                                                      f"{info.offset} runs past the end of the {cf.size}-byte file")
                     it = items.get((info.offset, info.length))
                     target = None if req.type == LoadItemType.BYTE_IO else _direct_target(req, planner, it)
-                    if target is not None:
+                    if target is not None and together:
                         direct.append((req, target, it))
+                        continue
+                    if target is not None:
+                        _read_direct(reader, path, [(req, target, it)], self.verify)
+                        planner.commit_tensor(req, target)
                         continue
                     buf = np.empty(info.length, dtype=np.uint8)
                     crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=self.verify,
@@ -469,12 +477,43 @@ class FastPersistReader(StorageReader):
                                                      f"holds {tuple(tensor.size())}, expected {tuple(target.size())}")
                     target.copy_(tensor)
                     planner.commit_tensor(req, target)
-                _read_direct(reader, path, direct, self.verify)
+                # targets sharing memory (tied weights) are filled one after another, in
+                # order, as before: the last one read wins, not a mix of the two
+                first, rest = _apart(direct)
+                _read_direct(reader, path, first, self.verify)
+                for one in rest:
+                    _read_direct(reader, path, [one], self.verify)
             for req, target, _ in direct:
                 planner.commit_tensor(req, target)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _plain_planner(planner: LoadPlanner) -> bool:
+    """Whether ``planner`` resolves and commits tensors as DCP's default planner does."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    t = type(planner)
+    return (isinstance(planner, DefaultLoadPlanner) and t.resolve_tensor is DefaultLoadPlanner.resolve_tensor
+            and t.commit_tensor is DefaultLoadPlanner.commit_tensor)
+
+
+def _apart(batch: list[tuple[Any, torch.Tensor, dict]]) -> tuple[list, list]:
+    """``batch`` split into targets whose memory no other shares, with the first of each
+    group that does (one scatter read fills them at once), and the others, in order."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes, i) for i, (_, t, _) in enumerate(batch) if t.nbytes)
+    later: set[int] = set()
+    group: list[int] = []
+    end = -1
+    for lo, hi, i in spans + [(1 << 64, 1 << 64, -1)]:
+        if lo >= end:  # a new group: the one before keeps its first (in request order)
+            later.update(sorted(group)[1:])
+            group, end = [], hi
+        group.append(i)
+        end = max(end, hi)
+    return ([b for i, b in enumerate(batch) if i not in later],
+            [b for i, b in enumerate(batch) if i in later])
 
 
 def _direct_target(req: Any, planner: LoadPlanner, it: dict | None) -> torch.Tensor | None:
@@ -517,13 +556,12 @@ def _read_direct(reader: Any, path: str, batch: list[tuple[Any, torch.Tensor, di
                 pieces.append((pos, addr, k))
                 owner.append(i)
                 pos, addr = pos + k, addr + k
-    if not pieces:
-        return
     # in file order, as the scatter read takes them (two requests for one item interleave;
     # the sort is stable, so each item's own pieces stay in order for its checksum)
     order = sorted(range(len(pieces)), key=lambda j: pieces[j][0])
     pieces, owner = [pieces[j] for j in order], [owner[j] for j in order]
-    got = reader.read_scatter(pieces, checksum=verify, threads=read_depth.THREADS, chunk_bytes=chunk)
+    got = (reader.read_scatter(pieces, checksum=verify, threads=read_depth.THREADS, chunk_bytes=chunk)
+           if pieces else [])
     if not verify:
         return
     whole = [0] * len(batch)

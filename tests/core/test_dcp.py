@@ -428,3 +428,42 @@ def test_many_small_tensors_and_one_over_several_read_chunks_load_exactly_and_ar
     got = blank_like()
     dcp.load(got, storage_reader=FastPersistReader(d))  # the tensor's own bytes are intact
     assert torch.equal(got["model"]["big"], want["model"]["big"])
+
+
+def test_targets_sharing_memory_get_the_last_item_read_not_a_mix(tmp_path):
+    # Tied weights: two saved items land in one target tensor. They are read one after the
+    # other, in file order, as torch's reader does, never by parallel reads at once.
+    from fp_core.read_depth import CHUNK
+
+    n = 3 * CHUNK // 4
+    a, b = torch.full((n,), 1.0), torch.full((n,), 2.0)
+    d = str(tmp_path / "ckpt")
+    dcp.save({"a": a, "b": b}, storage_writer=FastPersistWriter(d))
+    for verify in (False, True):
+        shared = torch.zeros(n)
+        got = {"a": shared, "b": shared}
+        dcp.load(got, storage_reader=FastPersistReader(d, verify=verify))
+        assert torch.equal(shared, b)  # b lies after a in the file
+
+
+def test_a_planner_that_resolves_into_one_scratch_buffer_still_loads_every_tensor(tmp_path):
+    # resolve_tensor may hand out the same memory for every item and copy it out in
+    # commit_tensor: such a planner's items are read and committed one at a time.
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class ScratchPlanner(DefaultLoadPlanner):
+        scratch = torch.empty(1 << 20, dtype=torch.uint8)
+
+        def resolve_tensor(self, read_item):
+            t = super().resolve_tensor(read_item)
+            return self.scratch[:t.nbytes].view(t.dtype).view(t.shape)
+
+        def commit_tensor(self, read_item, tensor):
+            super().resolve_tensor(read_item).copy_(tensor)
+
+    d = str(tmp_path / "ckpt")
+    dcp.save(state(6), storage_writer=FastPersistWriter(d))
+    for verify in (False, True):
+        got = blank()
+        dcp.load(got, storage_reader=FastPersistReader(d, verify=verify), planner=ScratchPlanner())
+        assert_state(got, state(6))
