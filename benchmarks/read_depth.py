@@ -29,7 +29,7 @@ MiB = 1 << 20
 
 
 def settings(text: str) -> list[tuple[int, int]]:
-    """``"4:4,32:2"`` -> [(4, 4 MiB), (32, 2 MiB less a page)]: a 2 MiB chunk is
+    """``"4:4,32:2"`` -> [(4, 4 MiB), (32, 2 MiB less two pages)]: a 2 MiB chunk is
     FastPersist's own (fp_core.read_depth.CHUNK), whose staging buffer stays within one huge page."""
     out = []
     for part in filter(None, text.split(",")):

@@ -3,10 +3,11 @@ a checkpoint (loads, load_into, DCP loads, verify) and for the bench's device ro
 
 The disk reads faster with many smaller reads in flight than with a few large ones, into
 memory faulted in before and into fresh memory alike (``benchmarks/read_depth.py`` sweeps
-the settings; figures in benchmarks/README.md). A chunk of 2 MiB less a page keeps a
-staged group's buffer (chunk + 2 blocks) within one 2 MiB huge page of the staging pool.
+the settings; figures in benchmarks/README.md). A chunk of 2 MiB less two pages keeps a
+staged group's buffer (chunk + 2 blocks of up to 4 KiB) within one 2 MiB huge page of the
+staging pool.
 Read at call time (``read_depth.THREADS``), so a benchmark can sweep them.
 """
 
 THREADS = 32
-CHUNK = (2 << 20) - (4 << 10)
+CHUNK = (2 << 20) - (8 << 10)
