@@ -532,42 +532,29 @@ def _direct_target(req: Any, planner: LoadPlanner, it: dict | None) -> torch.Ten
 
 def _read_direct(reader: Any, path: str, batch: list[tuple[Any, torch.Tensor, dict]], verify: bool) -> None:
     """Read every tensor of ``batch`` ((request, target, manifest item), in file order)
-    straight into its target, in one native scatter read with the device's depth: a rank
-    file of thousands of small tensors costs a few requests of ~2 MiB, not a device round
-    trip each, and large tensors keep many reads in flight. ``verify``: each whole item is
-    checked, the blob's own bytes around the tensor's (a few hundred: torch.save's header
-    and directory) read for its checksum."""
-    chunk = read_depth.CHUNK
-    pieces: list[tuple[int, int, int]] = []
-    owner: list[int] = []
+    straight into its target, in one scatter read (:func:`read_depth.scatter`): a rank file
+    of thousands of small tensors costs a few requests of ~2 MiB, not a device round trip
+    each. ``verify``: each whole item is checked, the blob's own bytes around the tensor's
+    (a few hundred: torch.save's header and directory) read for its checksum."""
+    spans: list[tuple[int, int, int]] = []
     keep: list[np.ndarray] = []  # the head and tail buffers, alive until the read returns
-    for i, (_, target, it) in enumerate(batch):
+    for _, target, it in batch:
         off, n = it["data"]
-        spans = [(off, target.data_ptr(), n)]
         if verify:
             head = np.empty(off - it["offset"], dtype=np.uint8)
             tail = np.empty(it["offset"] + it["length"] - off - n, dtype=np.uint8)
             keep += [head, tail]
-            spans = [(it["offset"], head.ctypes.data, head.size), *spans, (off + n, tail.ctypes.data, tail.size)]
-        for pos, addr, m in spans:
-            end = pos + m
-            while pos < end:  # cut at multiples of the chunk: aligned middles go straight in
-                k = min(end, (pos // chunk + 1) * chunk) - pos
-                pieces.append((pos, addr, k))
-                owner.append(i)
-                pos, addr = pos + k, addr + k
-    # in file order, as the scatter read takes them (two requests for one item interleave;
-    # the sort is stable, so each item's own pieces stay in order for its checksum)
-    order = sorted(range(len(pieces)), key=lambda j: pieces[j][0])
-    pieces, owner = [pieces[j] for j in order], [owner[j] for j in order]
-    got = (reader.read_scatter(pieces, checksum=verify, threads=read_depth.THREADS, chunk_bytes=chunk)
-           if pieces else [])
+            spans += [(it["offset"], head.ctypes.data, head.size), (off, target.data_ptr(), n),
+                      (off + n, tail.ctypes.data, tail.size)]
+        else:
+            spans.append((off, target.data_ptr(), n))
+    crcs = read_depth.scatter(reader, spans, verify)
     if not verify:
         return
-    whole = [0] * len(batch)
-    for (_, _, m), i, crc in zip(pieces, owner, got):
-        whole[i] = _native.crc32c_combine(whole[i], crc, m)
-    for (req, _, it), crc in zip(batch, whole):
+    for k, (req, _, it) in enumerate(batch):
+        head_crc, data_crc, tail_crc = crcs[3 * k: 3 * k + 3]
+        crc = _native.crc32c_combine(_native.crc32c_combine(head_crc, data_crc, spans[3 * k + 1][2]), tail_crc,
+                                     spans[3 * k + 2][2])
         if crc != it["crc32c"]:
             fqn = req.storage_index.fqn
             raise CorruptCheckpointError(path, fqn, f"CRC-32C {crc:08x}, expected {it['crc32c']:08x}", tensor=fqn)

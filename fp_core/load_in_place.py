@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from . import _native, file_image, loader, plain_unpickle, read_depth
+from . import file_image, loader, plain_unpickle, read_depth
 from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
 from .loader import FastReader
@@ -157,35 +157,6 @@ def _load_and_copy(target: Any, path: str | os.PathLike, verify: bool, weights_o
     return result
 
 
-def _scatter(reader: Any, fills: list[_Fill], checksum: bool) -> list[int]:
-    """Read every fill into its target in one native scatter read; the CRC-32C of each
-    fill's bytes (0s without ``checksum``), in the order of ``fills``.
-
-    Each fill is cut at multiples of the read chunk in the file, so a target aligned like
-    the file (a file ``AsyncCheckpointer`` wrote) gets whole aligned chunks the kernel
-    reads straight into it; the small pieces (thousands of small tensors, each large
-    tensor's ends) are read 2 MiB of file at a time, not one request each.
-    """
-    chunk = read_depth.CHUNK
-    order = sorted(range(len(fills)), key=lambda i: fills[i].offset)
-    pieces: list[tuple[int, int, int]] = []
-    owner: list[int] = []
-    for i in order:
-        f = fills[i]
-        pos, end, addr = f.offset, f.offset + f.nbytes, f.target.data_ptr()
-        while pos < end:
-            n = min(end, (pos // chunk + 1) * chunk) - pos
-            pieces.append((pos, addr + pos - f.offset, n))
-            owner.append(i)
-            pos += n
-    got = reader.read_scatter(pieces, checksum=checksum, threads=read_depth.THREADS, chunk_bytes=chunk)
-    crcs = [0] * len(fills)
-    if checksum:
-        for (_, _, n), i, crc in zip(pieces, owner, got):  # a fill's pieces come in file order
-            crcs[i] = _native.crc32c_combine(crcs[i], crc, n)
-    return crcs
-
-
 def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill], sizes: dict[int, int]) -> None:
     """``sizes``: data offset -> size of every storage record, from the zip's own headers."""
     records = {r.offset: r for r in view.manifest.records if r.kind == "storage"} if view is not None else {}
@@ -206,7 +177,8 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
             copied.append(f)
     checked: set[int] = set()
     with cf.native_reader() as reader:
-        crcs = _scatter(reader, direct, view is not None)
+        crcs = read_depth.scatter(reader, [(f.offset, f.target.data_ptr(), f.nbytes) for f in direct],
+                                    view is not None)
         for f, crc in zip(direct, crcs):
             if (f.offset, f.nbytes) == f.record and f.record[0] in records:
                 check_crc(cf.path, records[f.record[0]], crc)
