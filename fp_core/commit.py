@@ -1,9 +1,11 @@
 """Atomic, durable commit: write aside, fdatasync, rename over the final name, fsync(dir).
 
-A crash at any instant leaves the previous checkpoint under the final name and nothing
-else: the file is written as an unnamed inode (``O_TMPFILE``) and linked into the
-directory only just before the rename, so a save in progress never shows in a listing and
-a killed one leaves no file behind. Where the filesystem refuses ``O_TMPFILE`` the file is
+A crash at any instant leaves the previous checkpoint under the final name: the file is
+written as an unnamed inode (``O_TMPFILE``) and linked into the directory only just before
+the rename, so a save in progress never shows in a listing and a killed one leaves no file
+behind, except one killed in the few microseconds between the link and the rename: that
+leaves the whole new file under its temporary name, which the next save into the directory
+removes (:func:`clean`; there is no atomic "link over" for an unnamed file). Where the filesystem refuses ``O_TMPFILE`` the file is
 written under a temporary name instead: it starts with a dot and ends in ``.fptmp`` so
 neither Lightning (``*.ckpt``) nor the HF Trainer (``checkpoint-*``) lists it, and carries
 the writer's host.

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from conftest import HELPERS, assert_identical
+from conftest import HELPERS, REPO, assert_identical
 
 import fp_core
 
@@ -57,8 +57,9 @@ def _unnamed_file_open(pid: int, directory: str) -> bool:
 
 def test_crash_mid_save_leaves_a_loadable_checkpoint_and_nothing_else(disk_dir):
     """SIGKILL a process that saves in a loop: the file under the name is always one whole
-    generation, and nothing else is ever left in the directory (the file being written is
-    unnamed until the instant it is renamed into place)."""
+    generation, and nothing else is left in the directory but, when the kill lands between
+    the link and the rename, one whole file under a temporary name that clean removes (the
+    file being written is unnamed until just before it is renamed into place)."""
     rng = random.Random(1234)
     path = os.path.join(disk_dir, "crash.pt")
     mid_save = 0
@@ -85,10 +86,49 @@ def test_crash_mid_save_leaves_a_loadable_checkpoint_and_nothing_else(disk_dir):
             p.stderr.close()
         assert os.path.exists(path)
         assert _check_generation(path) >= 1
-        assert sorted(os.listdir(disk_dir)) == ["crash.pt"]
+        left = sorted(os.listdir(disk_dir))
+        if left != ["crash.pt"]:
+            # Killed between the link and the rename (a few microseconds; rare, but a loaded
+            # machine can deschedule the writer there): a whole file under a dotted temporary
+            # name, which nobody holds any more, so the next clean (the next save's) removes it.
+            (orphan,) = [n for n in left if n != "crash.pt"]
+            assert fp_core.commit._TEMP_RE.match(orphan), left
+            _check_generation(os.path.join(disk_dir, orphan))
+            assert fp_core.clean(disk_dir) == [os.path.join(disk_dir, orphan)]
+            assert sorted(os.listdir(disk_dir)) == ["crash.pt"]
     print(f"kills that landed mid-save: {mid_save} of 10")
     assert mid_save > 0, "no kill landed mid-save: the test did not test anything"
     assert fp_core.clean(disk_dir) == []
+
+
+_KILLED_AFTER_LINK = """
+import os, signal, sys, torch
+sys.path.insert(0, {repo!r})
+import fp_core
+path = sys.argv[1]
+fp_core.save({{"gen": 1, "data": torch.full((1000,), 1.0), "tail": [1] * 3}}, path)
+# The second save dies right after its file got its temporary name, before the rename.
+fp_core.commit.publish = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)
+fp_core.save({{"gen": 2, "data": torch.full((1000,), 2.0), "tail": [2] * 3}}, path)
+"""
+
+
+def test_kill_between_link_and_rename_leaves_a_whole_file_the_next_save_removes(disk_dir):
+    path = os.path.join(disk_dir, "crash.pt")
+    repo = REPO
+    r = subprocess.run([sys.executable, "-c", _KILLED_AFTER_LINK.format(repo=repo), path], capture_output=True,
+                       text=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    assert _check_generation(path) == 1  # the previous checkpoint, untouched
+    (orphan,) = [n for n in os.listdir(disk_dir) if n != "crash.pt"]
+    assert fp_core.commit._TEMP_RE.match(orphan)
+    assert _check_generation(os.path.join(disk_dir, orphan)) == 2  # whole, never under the checkpoint's name
+    # A new process's first save into the directory removes it (off its thread).
+    r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {repo!r}); import fp_core, torch; "
+                        f"fp_core.save({{'x': torch.ones(3)}}, {os.path.join(disk_dir, 'other.pt')!r}); "
+                        f"fp_core.commit.wait_for_clean({disk_dir!r})"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(disk_dir)) == ["crash.pt", "other.pt"]
 
 
 def _fake_orphan(directory: str, final_name: str, host: str | None = None) -> str:
