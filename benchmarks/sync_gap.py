@@ -15,10 +15,12 @@ VM's disk hits all alike:
                        large tensors' bytes copied into huge-page memory first
     extents            the plan's extents as fp_core.save hands them over (torch's memory)
     fp_core.save       the whole save; its serialize and engine.write times are printed too
+    save, plan first   the whole save without the early write (fp_core.early_write): the
+                       plan made before the first byte is written
 
 Ratios are medians of per-round ratios to the device row.
 
-    python benchmarks/sync_gap.py --dir DIR --size 2GiB --rounds 6
+    python benchmarks/sync_gap.py --dir DIR --size 2GiB --rounds 6 [--only fp_core.save --only ...]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fp_core import _native, save  # noqa: E402
+from fp_core import _native, early_write, save  # noqa: E402
 from fp_core.plan import build  # noqa: E402
 from fp_core.sizes import parse_size  # noqa: E402
 from fp_core.tools.bench import _aligned_buffer, make_state_dict, settle  # noqa: E402
@@ -83,6 +85,7 @@ def main() -> None:
     ap.add_argument("--dir", required=True)
     ap.add_argument("--size", default="2GiB")
     ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--only", action="append", default=[], help="a row to run (repeat it; device is always run)")
     a = ap.parse_args()
     os.makedirs(a.dir, exist_ok=True)
     sd = make_state_dict(parse_size(a.size))
@@ -108,6 +111,15 @@ def main() -> None:
         split["engine.write"].append(st.write_seconds)
         return time.perf_counter() - t0
 
+    def fp_save_plan_first() -> float:
+        saved, early_write.MIN_BYTES = early_write.MIN_BYTES, 1 << 62
+        try:
+            t0 = time.perf_counter()
+            save(sd, os.path.join(a.dir, "gap.pt"))
+            return time.perf_counter() - t0
+        finally:
+            early_write.MIN_BYTES = saved
+
     rows: dict[str, Callable[[], float]] = {
         "device": lambda: engine_write(raw, one, buf.nbytes, checksum=False, zero_copy=True),
         "staged+crc": lambda: engine_write(raw, one, buf.nbytes, checksum=True, zero_copy=False),
@@ -115,7 +127,14 @@ def main() -> None:
         "extents, huge": lambda: engine_write(raw, ext_huge, end_huge, checksum=True, zero_copy=False),
         "extents": lambda: engine_write(raw, ext, end, checksum=True, zero_copy=True),
         "fp_core.save": fp_save,
+        "save, plan first": fp_save_plan_first,
     }
+    if a.only:
+        wanted = {"device", *a.only}
+        unknown = wanted - set(rows)
+        if unknown:
+            ap.error(f"unknown rows {sorted(unknown)}; rows: {', '.join(rows)}")
+        rows = {k: v for k, v in rows.items() if k in wanted}
     print(f"{n / 2**30:.2f} GiB in {len(ext)} extents (tensors and zip headers); "
           f"{a.rounds} rounds, order alternated", flush=True)
     print(describe_pages(sd)[1], flush=True)

@@ -28,13 +28,16 @@ GC_PAUSED_SAVE_BYTES = 256 << 20
 def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = None, *, format: str = "torch",
             metadata: dict[str, str] | None = None, group: Any = None, topology: Any = "replica",
             timeout_s: float | None = None, congruent: bool = False, storage_options: dict | None = None,
-            keep_local: bool = False, extra_files: dict[str, bytes] | None = None) -> SaveJob:
+            keep_local: bool = False, extra_files: dict[str, bytes] | None = None,
+            early_write: bool = False) -> SaveJob:
     """Prepare the save of ``obj`` to ``path`` (pickled now: its structure is fixed); the
     returned job writes and commits it when run.
 
     ``group``: a collective save with the other ranks of that torch.distributed group.
     ``congruent``: lay local CPU tensors out congruent to their addresses, so they can be
-    written without staging (the async pipeline's layout).
+    written without staging (the async pipeline's layout). ``early_write``: a local save
+    that is run at once may start writing its storages while it is prepared
+    (:mod:`fp_core.early_write`).
     A state holding ``DTensor`` s (FSDP2, tensor parallel) is a sharded checkpoint: ``path``
     is a directory every rank of ``group`` (default: all) writes through DCP
     (:mod:`fp_core.dcp_save`), with ``extra_files`` (``{name: bytes}``) beside its shards.
@@ -69,7 +72,7 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
             raise ValueError("collective saves write the torch format")
         return CollectiveSave(obj, p, group, topology=topology, options=options,
                               timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
-    return LocalSave(obj, p, options, format, metadata, congruent=congruent)
+    return LocalSave(obj, p, options, format, metadata, congruent=congruent, early_write=early_write)
 
 
 def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: dict[str, str] | None = None,
@@ -119,7 +122,7 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     with gc_paused():
         job = prepare(obj, path, opts, format=format, metadata=metadata, group=group, topology=topology,
                       timeout_s=timeout_s, storage_options=storage_options, keep_local=keep_local,
-                      extra_files=extra_files)
+                      extra_files=extra_files, early_write=True)
         plan = getattr(job, "plan", None)
         if plan is not None and plan.file_size <= GC_PAUSED_SAVE_BYTES:
             # Written within the pause too, and dropped before it ends: the plan's objects

@@ -11,8 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from . import commit
+from . import early_write as early_writes
 from .engine import EngineOptions, open_engine
 from .errors import CheckpointSerializationError
+from .gc_pause import gc_paused
 from .plan import FilePlan, build
 from .safetensors_plan import build_safetensors
 from .stats import SaveStats
@@ -36,10 +38,13 @@ class LocalSave:
 
     def __init__(self, obj: Any, path: str | os.PathLike, options: EngineOptions, format: str = "torch",
                  metadata: dict[str, str] | None = None, congruent: bool = False,
-                 mode: int | None = None) -> None:
+                 mode: int | None = None, early_write: bool = False) -> None:
         """``congruent``: lay CPU tensors out in the file congruent to their addresses, so
         they can be written without staging (see :func:`fp_core.plan.build`). ``mode``:
-        the file's permission bits (default: 0666 less the umask, as ``torch.save``)."""
+        the file's permission bits (default: 0666 less the umask, as ``torch.save``).
+        ``early_write``: start writing a large plain state's storages while its pickle is
+        made (:mod:`fp_core.early_write`; a save run at once, whose state cannot change
+        before it runs)."""
         t0 = time.perf_counter()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
@@ -54,11 +59,20 @@ class LocalSave:
         except OSError as e:
             raise rename_os_error(e, self.final) from e
         self.engine = self.temp.engine
+        self._early: early_writes.EarlyWrite | None = None
         try:
             alignment = max(MIN_ALIGNMENT, self.engine.alignment)
             try:
-                if format == "torch":
-                    self.plan: FilePlan = build(obj, alignment, congruent=congruent)
+                if format == "torch" and early_write and not congruent:
+                    with gc_paused():
+                        self._early = early_writes.start(obj, self.engine, alignment, options)
+                        plan = self._early.plan(obj) if self._early is not None else None
+                    if plan is None and self._early is not None:  # the state changed: write it all anew
+                        self._early.wait()
+                        self._early = None
+                    self.plan: FilePlan = plan if plan is not None else build(obj, alignment)
+                elif format == "torch":
+                    self.plan = build(obj, alignment, congruent=congruent)
                 else:
                     self.plan = build_safetensors(obj, alignment, metadata)
             except (OSError, MemoryError, KeyboardInterrupt):
@@ -83,7 +97,8 @@ class LocalSave:
             raise self._failed
         try:
             with self.engine:
-                rs = write_single(self.engine, self.plan, self.options, on_body_written)
+                early, self._early = self._early, None
+                rs = write_single(self.engine, self.plan, self.options, on_body_written, early=early)
                 t_sync = time.perf_counter()
                 self.engine.sync()
             if self._failed is not None:  # failed meanwhile (by the fence, on another thread)
@@ -113,4 +128,7 @@ class LocalSave:
         self._failed = error
 
     def abort(self) -> None:
+        if self._early is not None:  # never close the file under its writes
+            self._early.wait()
+            self._early = None
         self.temp.abort()

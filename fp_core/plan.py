@@ -195,7 +195,12 @@ def _build(obj: Any, alignment: int, congruent: bool) -> FilePlan:
                                       plain_alignment=None if congruent else PLAIN_STORAGE_ALIGNMENT)
     if not names:  # torch's pickler ran: walk the object for them
         names = _tensor_names(obj)
+    return from_skeleton(sparse, storages_by_key, names, alignment, congruent)
 
+
+def from_skeleton(sparse: SparseFile, storages_by_key: dict[str, Any], names: dict[int, tuple[str, str]],
+                  alignment: int, congruent: bool = False) -> FilePlan:
+    """The plan of a captured skeleton: its storages' extents, and the manifest appended."""
     # Read torch's records from the skeleton's central directory, then append ours.
     directory = ziptail.read_directory(sparse)
     prefix = directory.entries[0].name.split("/", 1)[0]

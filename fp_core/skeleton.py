@@ -362,12 +362,18 @@ class _SkeletonSink:
         self.starts = [0]
         self.segs = [bytearray()]
         self.write = self.segs[0].extend
+        self.skips: list[int] = []  # where each skipped (storage) range begins, in order
+
+    @property
+    def position(self) -> int:
+        return self.starts[-1] + len(self.segs[-1])
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         if whence != io.SEEK_CUR or offset < 0:
             raise ValueError(f"unexpected seek ({offset}, {whence}) from torch's zip writer")
         end = self.starts[-1] + len(self.segs[-1])
         if offset:
+            self.skips.append(end)
             seg = bytearray()
             self.starts.append(end + offset)
             self.segs.append(seg)
@@ -383,16 +389,52 @@ class _SkeletonSink:
                                 self.starts[-1] + len(self.segs[-1]))
 
 
-def _zip_skeleton(data: bytes, storages: dict[str, StorageEntry], alignment: int) -> SparseFile:
-    """The records torch.save's ``_save`` writes, in its order, through torch's own zip
-    writer (CRCs off, as under our capture's config), storages skipped."""
-    sink = _SkeletonSink()
-    writer = torch._C.PyTorchFileWriter(sink, False, alignment)
+class StoragesFirst:
+    """A plain state's skeleton with its storages' records first, laid out before the
+    pickle exists (their keys from :func:`state_pickle.walk_storages`): their bytes can be
+    written while ``data.pkl`` is made. torch's reader finds records through the central
+    directory, so their order in the file is free; the records are the ones
+    :func:`_zip_skeleton` writes, through the same writer."""
+
+    def __init__(self, storages: dict[str, StorageEntry], alignment: int, plain_alignment: int | None) -> None:
+        self.storages = storages
+        self.alignment = _storage_alignment(storages, alignment, plain_alignment)
+        self._sink = _SkeletonSink()
+        self._writer = torch._C.PyTorchFileWriter(self._sink, False, self.alignment)
+        for key, (_, _, nbytes) in storages.items():
+            self._writer.write_record_metadata(f"data/{key}", nbytes)
+        self.end = self._sink.position  # every byte before this is final
+        starts = iter(self._sink.skips)
+        # (key, offset of its bytes) of every storage with bytes, in file order
+        self.offsets = [(key, next(starts)) for key, (_, _, n) in storages.items() if n]
+
+    def head(self) -> SparseFile:
+        """The skeleton's bytes so far (the storages' headers), a copy of its own."""
+        sink = self._sink
+        keep = [i for i, seg in enumerate(sink.segs) if seg]
+        return SparseFile.adopt([sink.starts[i] for i in keep], [bytearray(sink.segs[i]) for i in keep], self.end)
+
+    def finish(self, data: bytes) -> SparseFile:
+        """The whole skeleton, the pickle ``data`` and torch's small records after the storages."""
+        _write_small_records(self._writer, data, self.alignment)
+        self._writer.write_end_of_file()
+        return self._sink.sparse_file()
+
+
+def _write_small_records(writer: Any, data: bytes, alignment: int) -> None:
     writer.write_record("data.pkl", data, len(data))
     writer.write_record(".format_version", "1", 1)
     align = str(alignment)
     writer.write_record(".storage_alignment", align, len(align))
     writer.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+
+
+def _zip_skeleton(data: bytes, storages: dict[str, StorageEntry], alignment: int) -> SparseFile:
+    """The records torch.save's ``_save`` writes, in its order, through torch's own zip
+    writer (CRCs off, as under our capture's config), storages skipped."""
+    sink = _SkeletonSink()
+    writer = torch._C.PyTorchFileWriter(sink, False, alignment)
+    _write_small_records(writer, data, alignment)
     for key, (_, _, nbytes) in storages.items():
         writer.write_record_metadata(f"data/{key}", nbytes)
     writer.write_end_of_file()

@@ -361,14 +361,23 @@ def finish_tail(plan: FilePlan) -> None:
 
 
 def write_single(engine: _native.Engine, plan: FilePlan, options: EngineOptions,
-                 on_body_written: Any = None) -> RangeStats:
+                 on_body_written: Any = None, early: Any = None) -> RangeStats:
     """One writer writes the whole file: body, then the checksummed tail.
 
     ``on_body_written`` is called once no live tensor memory will be read again (the
-    async pipeline's fence releases there).
+    async pipeline's fence releases there). ``early``: a
+    :class:`fp_core.early_write.EarlyWrite` that wrote the file's start while the plan was
+    made; the rest is written after it.
     """
     stats = RangeStats()
-    pieces = write_range(engine, plan, 0, plan.tail_start, options, stats)
+    start, pieces = 0, []
+    if early is not None:
+        pieces, done = early.result()
+        start = early.end
+        for name in ("bytes", "seconds", "copy_seconds", "io_wait_seconds", "device_copy_seconds", "requests",
+                     "short_writes", "zero_copy_bytes"):
+            setattr(stats, name, getattr(done, name))
+    pieces = pieces + write_range(engine, plan, start, plan.tail_start, options, stats)
     write_tail(engine, plan, pieces, options, stats, on_body_written)
     return stats
 

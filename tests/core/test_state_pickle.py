@@ -39,6 +39,12 @@ def _assert_torchs_bytes(obj) -> None:
     assert [(k, s.data_ptr(), d, n) for k, (s, d, n) in fast_storages.items()] == \
         [(k, s.data_ptr(), d, n) for k, (s, d, n) in slow_storages.items()] == \
         [(k, s.data_ptr(), d, n) for k, (s, d, n) in storages.items()]
+    # The walk before the pickle (a sync save's early write) finds the same storages under
+    # the same keys, and the pickle made with its keys is the same bytes.
+    walked = state_pickle.walk_storages(obj)
+    assert [(k, s._cdata, d, n) for k, (s, d, n) in walked.items()] == \
+        [(k, s._cdata, d, n) for k, (s, d, n) in storages.items()]
+    assert state_pickle.dumps(obj, storages=walked)[0] == data
 
 
 def _module_and_optimizer_state() -> dict:
@@ -131,6 +137,7 @@ def test_anything_else_is_left_to_torch(make):
     obj = make()
     with pytest.raises(state_pickle.NotPlainState):
         state_pickle.dumps(obj)
+    assert state_pickle.walk_storages(obj) is None
     fast, _ = capture(obj, 4096, fast_tensors=True)  # torch's own pickler, same file
     slow, _ = capture(obj, 4096, fast_tensors=False)
     assert fast.segments() == slow.segments()
@@ -141,6 +148,23 @@ def test_a_tensor_with_attributes_is_left_to_torch():
     t.note = "x"
     with pytest.raises(state_pickle.NotPlainState):
         state_pickle.dumps({"t": t})
+    assert state_pickle.walk_storages({"t": t}) is None
+
+
+def test_a_pickle_that_meets_another_state_than_the_walk_says_so():
+    """The state changed between the walk and the pickle (another thread): dumps with the
+    walk's keys refuses, whichever way it changed, and the save plans anew."""
+    a, b = torch.ones(3), torch.zeros(5)
+    state = {"a": a, "b": b}
+    walked = state_pickle.walk_storages(state)
+    for changed in ({"a": a, "b": b, "c": torch.ones(1)},  # a storage the walk did not see
+                    {"a": a},  # one it saw is gone
+                    {"a": a, "b": torch.zeros(5)}):  # replaced by another of the same size
+        with pytest.raises(state_pickle.NotPlainState):
+            state_pickle.dumps(changed, storages=walked)
+    b.untyped_storage().resize_(40)  # one it saw grew
+    with pytest.raises(state_pickle.NotPlainState):
+        state_pickle.dumps(state, storages=walked)
 
 
 def test_nesting_too_deep_gets_torchs_own_error():

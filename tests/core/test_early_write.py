@@ -1,0 +1,135 @@
+"""A sync save writes a plain state's storages while it pickles (fp_core.early_write): the
+file is a standard torch file with the storages' records first, read the same by every
+reader, and a state that changes meanwhile, a failing pickle or a failing write lose nothing."""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import threading
+
+import pytest
+import torch
+from conftest import assert_identical
+
+import fp_core
+from fp_core import early_write, load_into
+from fp_core import plan as plan_mod
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def early_from_1mib(monkeypatch):
+    """Early writes for states from 1 MiB (the default threshold keeps them for large ones)."""
+    monkeypatch.setattr(early_write, "MIN_BYTES", 1 * MiB)
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    model = collections.OrderedDict((f"layer{i}.{k}", torch.randn(n)) for i in range(200)
+                                    for k, n in (("weight", 3000), ("bias", 7)))
+    model._metadata = {"": {"version": 1}}
+    shared = torch.randn(1000)
+    return {"model": model, "big": torch.randn(5 * MiB // 4 + 3),  # ends off a block: split by the early range
+            "tied": [shared, shared[10:20]], "ints": torch.arange(333, dtype=torch.int64), "step": 7,
+            "empty": torch.empty(0), "name": "run"}
+
+
+def _names(path: str) -> list[str]:
+    return torch._C.PyTorchFileReader(path).get_all_records()
+
+
+def _first_record(path: str) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return z.infolist()[0].filename
+
+
+def test_storages_first_file_reads_the_same_every_way(disk_dir, early_from_1mib):
+    state = _state()
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    assert _first_record(path).endswith("/data/0")  # the storages were laid out (and written) first
+    stock = os.path.join(disk_dir, "stock.pt")
+    torch.save(state, stock)
+    ours, theirs = torch._C.PyTorchFileReader(path), torch._C.PyTorchFileReader(stock)
+    assert ours.get_record("data.pkl") == theirs.get_record("data.pkl")  # torch's pickle, byte for byte
+    assert sorted(_names(path)) == sorted(_names(stock) + [".fastpersist/manifest.json"])
+    for got in (torch.load(path), torch.load(path, weights_only=True), torch.load(path, mmap=True),
+                fp_core.load(path, verify=True), fp_core.load(path, mmap=True, verify=True)):
+        assert_identical(state, got)
+        assert got["model"]._metadata == state["model"]._metadata
+    fp_core.verify(path)
+    target = _state()
+    for t in target["model"].values():
+        t.zero_()
+    target["big"].zero_()
+    load_into(target, path, verify=True)
+    assert_identical(state["model"], target["model"])
+    assert torch.equal(state["big"], target["big"])
+
+
+def test_small_states_are_laid_out_as_torch_does(disk_dir):
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save({"a": torch.ones(1000)}, path)  # far below early_write.MIN_BYTES
+    assert _first_record(path).endswith("/data.pkl")
+
+
+def test_a_state_changed_while_pickled_is_written_anew(disk_dir, early_from_1mib, monkeypatch):
+    """Another thread replaces a tensor after the walk: the pickle refuses the walk's keys,
+    the save waits for the early bytes and writes the state as the pickle found it."""
+    state = _state()
+    real_start = early_write.start
+
+    def start_then_change(obj, *args):
+        started = real_start(obj, *args)
+        assert started is not None
+        obj["big"] = torch.full((3 * MiB,), 2.0)  # a storage the walk did not see
+        obj["extra"] = torch.arange(10)
+        return started
+
+    monkeypatch.setattr(early_write, "start", start_then_change)
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    assert _first_record(path).endswith("/data.pkl")  # planned anew, torch's order
+    assert_identical(state, fp_core.load(path, verify=True))
+    assert_identical(state, torch.load(path))
+    fp_core.verify(path)
+
+
+def _early_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "fastpersist-early-write"]
+
+
+def test_a_failing_pickle_waits_for_the_early_write_and_keeps_the_old_file(disk_dir, early_from_1mib, monkeypatch):
+    path = os.path.join(disk_dir, "s.pt")
+    old = {"old": torch.arange(100)}
+    fp_core.save(old, path)
+
+    def broken(*args, **kwargs):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(plan_mod, "from_skeleton", broken)
+    with pytest.raises(fp_core.CheckpointSerializationError, match="boom") as ei:
+        fp_core.save(_state(), path)
+    assert path in str(ei.value)
+    assert not _early_threads()
+    assert sorted(os.listdir(disk_dir)) == ["s.pt"]
+    assert_identical(old, fp_core.load(path, verify=True))
+
+
+@pytest.mark.parametrize("after", [0, 2 * MiB])
+def test_a_failing_early_write_is_the_saves_error(disk_dir, early_from_1mib, fault, after):
+    path = os.path.join(disk_dir, "s.pt")
+    old = {"old": torch.arange(100)}
+    fp_core.save(old, path)
+    fault("write", errno=errno.EIO, after_bytes=after)
+    with pytest.raises(OSError) as ei:
+        fp_core.save(_state(), path, chunk_bytes=1 * MiB)
+    assert ei.value.errno == errno.EIO and ei.value.filename == path
+    assert not _early_threads()
+    assert sorted(os.listdir(disk_dir)) == ["s.pt"]
+    assert_identical(old, fp_core.load(path, verify=True))
