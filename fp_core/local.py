@@ -64,11 +64,11 @@ class LocalSave:
             alignment = max(MIN_ALIGNMENT, self.engine.alignment)
             try:
                 if format == "torch" and early_write and not congruent:
+                    self._early = early_writes.EarlyWrite(self.engine, alignment, options)
                     with gc_paused():
-                        self._early = early_writes.start(obj, self.engine, alignment, options)
-                        plan = self._early.plan(obj) if self._early is not None else None
-                    if plan is None and self._early is not None:  # the state changed: write it all anew
-                        self._early.wait()
+                        plan = self._early.plan(obj)
+                    if plan is None or not self._early.started:
+                        self._early.stop()  # nothing written early (small), or it must be written anew
                         self._early = None
                     self.plan: FilePlan = plan if plan is not None else build(obj, alignment)
                 elif format == "torch":
@@ -129,6 +129,6 @@ class LocalSave:
 
     def abort(self) -> None:
         if self._early is not None:  # never close the file under its writes
-            self._early.wait()
+            self._early.stop()
             self._early = None
         self.temp.abort()

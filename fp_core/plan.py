@@ -135,7 +135,7 @@ def _offset(s: StorageExtent) -> int:
     return s.offset
 
 
-def _tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, str]]:
+def tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, str]]:
     """Map storage identity -> (first tensor path, dtype) by walking containers.
 
     Only used to name records in the manifest, so that verify can say *which tensor* is
@@ -194,7 +194,7 @@ def _build(obj: Any, alignment: int, congruent: bool) -> FilePlan:
     sparse, storages_by_key = capture(obj, alignment, names=names,
                                       plain_alignment=None if congruent else PLAIN_STORAGE_ALIGNMENT)
     if not names:  # torch's pickler ran: walk the object for them
-        names = _tensor_names(obj)
+        names = tensor_names(obj)
     return from_skeleton(sparse, storages_by_key, names, alignment, congruent)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils.serialization import config as _ser_config
 
+from . import ziptail
 from .state_pickle import NotPlainState, StorageEntry, plain_cpu_tensor
 from .state_pickle import dumps as dumps_state
 
@@ -249,16 +250,20 @@ class SparseFile(io.RawIOBase):
 class _StorageRecorder:
     """Which storage got which record key in one torch.save (see :class:`_RecordingPickler`)."""
 
-    def __init__(self, fast_tensors: bool = True) -> None:
+    def __init__(self, fast_tensors: bool = True, on_storage: Any = None) -> None:
         self.storages: dict[str, StorageEntry] = {}
         self.fast_tensors = fast_tensors
+        self.on_storage = on_storage  # called with (key, entry) for each new key
 
     def record(self, key: str, obj: Any) -> None:
         if isinstance(obj, torch.storage.TypedStorage):
             storage, dtype = obj._untyped_storage, obj.dtype
         else:
             storage, dtype = obj, torch.uint8
-        self.storages[key] = (storage, dtype, storage.nbytes())
+        new = key not in self.storages
+        entry = self.storages[key] = (storage, dtype, storage.nbytes())
+        if new and self.on_storage is not None:
+            self.on_storage(key, entry)
 
 
 _current = threading.local()  # the recorder of the capture running on this thread
@@ -324,9 +329,16 @@ def capture(obj: Any, alignment: int, fast_tensors: bool = True, names: dict[int
         except NotPlainState:
             pass
         else:
-            return _zip_skeleton(data, storages, _storage_alignment(storages, alignment, plain_alignment)), storages
+            return plain_skeleton(data, storages, alignment, plain_alignment), storages
+    return torch_capture(obj, alignment, fast_tensors)
+
+
+def torch_capture(obj: Any, alignment: int, fast_tensors: bool = True,
+                  on_storage: Any = None) -> tuple[SparseFile, dict[str, StorageEntry]]:
+    """torch.save's own file for ``obj`` with data skipped (its pickler, torch's order);
+    ``on_storage(key, entry)`` is called for each storage as its pickler finds it."""
     sparse = SparseFile()
-    recorder = _current.recorder = _StorageRecorder(fast_tensors)
+    recorder = _current.recorder = _StorageRecorder(fast_tensors, on_storage)
     with _CONFIG_LOCK:
         with _ser_config.patch({"save.storage_alignment": alignment, "save.compute_crc32": False}):
             with torch.serialization.skip_data():
@@ -335,6 +347,14 @@ def capture(obj: Any, alignment: int, fast_tensors: bool = True, names: dict[int
                 finally:
                     _current.recorder = None
     return sparse, recorder.storages
+
+
+def record_bytes(sparse: SparseFile, suffix: str) -> bytes:
+    """The bytes of the skeleton's record whose name ends with ``suffix`` (``/data.pkl``)."""
+    for e in ziptail.read_directory(sparse).entries:
+        if e.name.endswith(suffix):
+            return sparse.pread(ziptail.local_data_offset(sparse, e.header_offset), e.file_size)
+    raise KeyError(suffix)
 
 
 def _storage_alignment(storages: dict[str, StorageEntry], alignment: int, plain_alignment: int | None) -> int:
@@ -362,7 +382,7 @@ class _SkeletonSink:
         self.starts = [0]
         self.segs = [bytearray()]
         self.write = self.segs[0].extend
-        self.skips: list[int] = []  # where each skipped (storage) range begins, in order
+        self.skipped = 0  # where the last skipped (storage) range began
 
     @property
     def position(self) -> int:
@@ -373,7 +393,7 @@ class _SkeletonSink:
             raise ValueError(f"unexpected seek ({offset}, {whence}) from torch's zip writer")
         end = self.starts[-1] + len(self.segs[-1])
         if offset:
-            self.skips.append(end)
+            self.skipped = end
             seg = bytearray()
             self.starts.append(end + offset)
             self.segs.append(seg)
@@ -389,30 +409,58 @@ class _SkeletonSink:
                                 self.starts[-1] + len(self.segs[-1]))
 
 
-class StoragesFirst:
-    """A plain state's skeleton with its storages' records first, laid out before the
-    pickle exists (their keys from :func:`state_pickle.walk_storages`): their bytes can be
-    written while ``data.pkl`` is made. torch's reader finds records through the central
-    directory, so their order in the file is free; the records are the ones
-    :func:`_zip_skeleton` writes, through the same writer."""
+def plain_skeleton(data: bytes, storages: dict[str, StorageEntry], alignment: int,
+                   plain_alignment: int | None) -> SparseFile:
+    """The skeleton of a plain state pickled by :mod:`.state_pickle` (``data``, its storages)."""
+    return _zip_skeleton(data, storages, _storage_alignment(storages, alignment, plain_alignment))
 
-    def __init__(self, storages: dict[str, StorageEntry], alignment: int, plain_alignment: int | None) -> None:
-        self.storages = storages
-        self.alignment = _storage_alignment(storages, alignment, plain_alignment)
+
+class StoragesFirst:
+    """A plain state's skeleton with its storages' records first, laid out one by one as
+    the pickle finds them (:func:`state_pickle.dumps`'s ``on_storage``), so their bytes can
+    be written before ``data.pkl`` exists. torch's reader finds records through the central
+    directory, so their order in the file is free; the records are the ones
+    :func:`_zip_skeleton` writes, through the same writer. The storage alignment is decided
+    by the storages found when the layout begins (sizes alone, as :func:`_storage_alignment`)."""
+
+    def __init__(self, first: dict[str, StorageEntry], alignment: int, plain_alignment: int | None) -> None:
+        """``first``: the storages found when the layout begins; their sizes decide the
+        storage alignment. Each storage is then laid out by :meth:`add`."""
+        self.alignment = _storage_alignment(first, alignment, plain_alignment)
         self._sink = _SkeletonSink()
         self._writer = torch._C.PyTorchFileWriter(self._sink, False, self.alignment)
-        for key, (_, _, nbytes) in storages.items():
-            self._writer.write_record_metadata(f"data/{key}", nbytes)
-        self.end = self._sink.position  # every byte before this is final
-        starts = iter(self._sink.skips)
-        # (key, offset of its bytes) of every storage with bytes, in file order
-        self.offsets = [(key, next(starts)) for key, (_, _, n) in storages.items() if n]
+        self._taken = 0  # segments handed out by take()
+        self.offsets: list[tuple[str, int]] = []  # (key, offset of its bytes) of each storage with bytes
 
-    def head(self) -> SparseFile:
-        """The skeleton's bytes so far (the storages' headers), a copy of its own."""
-        sink = self._sink
-        keep = [i for i, seg in enumerate(sink.segs) if seg]
-        return SparseFile.adopt([sink.starts[i] for i in keep], [bytearray(sink.segs[i]) for i in keep], self.end)
+    def add(self, key: str, nbytes: int) -> int:
+        """Lay out the next storage's record; where its bytes go."""
+        self._writer.write_record_metadata(f"data/{key}", nbytes)
+        if not nbytes:
+            return self._sink.position
+        self.offsets.append((key, self._sink.skipped))
+        return self._sink.skipped
+
+    @property
+    def end(self) -> int:
+        """Every byte before this is final (until :meth:`finish`)."""
+        return self._sink.position
+
+    def take(self, lo: int, hi: int) -> SparseFile:
+        """A copy of the skeleton's bytes in [lo, hi) (``hi`` <= :attr:`end`); calls come
+        in file order, each from where the last one ended."""
+        starts, segs = self._sink.starts, self._sink.segs
+        i, out_starts, out_segs = self._taken, [], []
+        while i < len(segs) and starts[i] < hi:
+            s, b = starts[i], segs[i]
+            a, z = max(s, lo), min(s + len(b), hi)
+            if a < z:
+                out_starts.append(a)
+                out_segs.append(bytearray(b[a - s: z - s]))
+            if s + len(b) > hi or i == len(segs) - 1:  # the rest is the next call's (the last may grow)
+                break
+            i += 1
+        self._taken = i
+        return SparseFile.adopt(out_starts, out_segs, hi)
 
     def finish(self, data: bytes) -> SparseFile:
         """The whole skeleton, the pickle ``data`` and torch's small records after the storages."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,26 +82,22 @@ def _storage_class(dtype: torch.dtype) -> tuple[Any, bytes, int]:
 
 
 class _Writer:
-    __slots__ = ("out", "memo", "n", "storages", "keys", "fixed", "dtypes", "ints_cache", "trail", "names")
+    __slots__ = ("out", "memo", "n", "storages", "keys", "dtypes", "ints_cache", "trail", "names", "on_storage")
 
-    def __init__(self, storages: dict[str, StorageEntry] | None = None) -> None:
+    def __init__(self, on_storage: Callable[[str, StorageEntry], None] | None = None) -> None:
+        self.on_storage = on_storage
         self.out = bytearray(_PROTO2)
         self.memo: dict[int, int] = {}  # id(object) -> memo index, as the C pickler's memo
         self.n = 0  # the next memo index
         self.storages: dict[str, StorageEntry] = {}  # record key -> storage, in torch's order
         self.keys: dict[int, str] = {}  # storage _cdata -> record key (torch's id_map; keeps the keys, memoised by id, alive)
-        # Keys given beforehand (:func:`walk_storages`): a storage without one is an error.
-        self.fixed = storages is not None
-        if storages is not None:
-            self.storages = dict(storages)
-            self.keys = {st._cdata: key for key, (st, _, _) in storages.items()}
         self.dtypes: dict[int, torch.dtype] = {}  # data_ptr -> dtype (torch's storage_dtypes)
         self.ints_cache: dict[tuple, bytes] = {}
         self.trail: list[tuple[int, Any]] = []  # (kind, dict key or index) down to the object being saved
         self.names: dict[int, tuple[str, str]] = {}  # storage _cdata -> (path of its first tensor, dtype)
 
     def path(self) -> str:
-        """The object being saved as a path, the way plan._tensor_names writes it."""
+        """The object being saved as a path, the way plan.tensor_names writes it."""
         path = ""
         for kind, k in self.trail:
             path = f"{path}[{k}]" if kind is _INDEX else (f"{path}.{k}" if path else str(k))
@@ -299,13 +296,10 @@ class _Writer:
         key = self.keys.get(cdata)
         nbytes = storage.nbytes()
         if key is None:
-            if self.fixed:
-                raise NotPlainState("a storage the walk before the pickle did not find (the state changed)")
             key = self.keys[cdata] = str(len(self.keys))  # torch's id_map numbering
-            self.storages[key] = (storage, dtype, nbytes)
-        if cdata not in self.names:  # the storage's first tensor
-            if self.fixed and self.storages[key][2] != nbytes:
-                raise NotPlainState("a storage changed size while the state was saved")
+            entry = self.storages[key] = (storage, dtype, nbytes)
+            if self.on_storage is not None:
+                self.on_storage(key, entry)
             self.names[cdata] = (self.path(), str(dtype).removeprefix("torch."))
             key_data = key.encode()
             key_first = _STR_HEAD(b"X", len(key_data)) + key_data
@@ -347,70 +341,21 @@ class _Writer:
         self.remember(t)
 
 
-def walk_storages(obj: Any) -> dict[str, StorageEntry] | None:
-    """The storages :func:`dumps` will find in ``obj``, by the keys it will give them, found
-    without pickling (a fraction of its time); None where ``obj`` is not a plain state or
-    :func:`dumps` would reject it for its tensors. A sync save lays these out and starts
-    writing them while the pickle is made (:mod:`fp_core.early_write`).
-
-    The walk visits objects in the pickler's order (depth first, a dict's key before its
-    value, an ``OrderedDict``'s ``__dict__`` after its items) and each container once, as
-    the pickler's memo does, so the keys are the ones torch's numbering gives."""
-    storages: dict[str, StorageEntry] = {}
-    cdatas: set[int] = set()
-    seen: set[int] = set()
-    stack: list[Any] = [obj]
-    leaves = (str, int, float, bool, type(None))
-    while stack:
-        o = stack.pop()
-        t = type(o)
-        if t in leaves:
-            continue
-        if t is torch.Tensor:
-            if not plain_cpu_tensor(o):
-                return None
-            try:
-                _STORAGE_CLASSES.get(o.dtype) or _storage_class(o.dtype)
-            except NotPlainState:
-                return None
-            st = o.untyped_storage()
-            if st._cdata not in cdatas:
-                cdatas.add(st._cdata)
-                storages[str(len(storages))] = (st, o.dtype, st.nbytes())
-            continue
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if t is dict or t is OrderedDict:
-            if t is OrderedDict and o.__dict__:
-                stack.append(o.__dict__)
-            for k, v in reversed(o.items()):
-                stack.append(v)
-                stack.append(k)
-        elif t is list or t is tuple:
-            stack.extend(reversed(o))
-        else:
-            return None
-    return storages
-
-
 def dumps(obj: Any, names: dict[int, tuple[str, str]] | None = None,
-          storages: dict[str, StorageEntry] | None = None) -> tuple[bytes, dict[str, StorageEntry]]:
+          on_storage: Callable[[str, StorageEntry], None] | None = None) -> tuple[bytes, dict[str, StorageEntry]]:
     """``obj``'s pickle as torch.save writes it into ``data.pkl``, and its storages by
     record key in torch's order; :class:`NotPlainState` for anything else.
 
     ``names``: filled with storage ``_cdata`` -> (path of the first tensor on it, dtype),
-    as ``plan._tensor_names`` finds them, for the manifest. ``storages``: the keys
-    :func:`walk_storages` found, used as they are (NotPlainState if the pickle meets a
-    storage it did not find, or one of another size, or does not meet one of them)."""
-    w = _Writer(storages)
+    as ``plan.tensor_names`` finds them, for the manifest. ``on_storage(key, entry)`` is
+    called for each storage as the pickle finds it, in key order (a sync save lays them out
+    and writes them while the rest is pickled: :mod:`fp_core.early_write`)."""
+    w = _Writer(on_storage)
     try:
         w.save(obj)
     except RecursionError:
         raise NotPlainState("nested too deeply") from None
     w.out += _STOP
-    if w.fixed and len(w.names) != len(w.storages):
-        raise NotPlainState("a storage the walk found is gone from the state (the state changed)")
     if names is not None:
         names.update(w.names)
     return bytes(w.out), w.storages

@@ -78,25 +78,72 @@ def test_small_states_are_laid_out_as_torch_does(disk_dir):
     assert _first_record(path).endswith("/data.pkl")
 
 
-def test_a_state_changed_while_pickled_is_written_anew(disk_dir, early_from_1mib, monkeypatch):
-    """Another thread replaces a tensor after the walk: the pickle refuses the walk's keys,
-    the save waits for the early bytes and writes the state as the pickle found it."""
-    state = _state()
-    real_start = early_write.start
+class _Hparams(dict):
+    """A dict subclass, as Lightning's AttributeDict: not a plain state."""
 
-    def start_then_change(obj, *args):
-        started = real_start(obj, *args)
-        assert started is not None
-        obj["big"] = torch.full((3 * MiB,), 2.0)  # a storage the walk did not see
-        obj["extra"] = torch.arange(10)
-        return started
 
-    monkeypatch.setattr(early_write, "start", start_then_change)
+def _with_hparams(state: dict) -> dict:
+    return dict(state, hyper_parameters=_Hparams(lr=0.1, layers=3), param=torch.nn.Parameter(torch.ones(5)))
+
+
+def test_a_state_plain_only_at_first_keeps_its_early_storages(disk_dir, early_from_1mib, monkeypatch):
+    """Our pickle stops at the first object it does not write, after the writing began;
+    torch's pickler finds the same storages first, and the file keeps the early layout."""
+    written: list = []
+    real = early_write.write_range
+    monkeypatch.setattr(early_write, "write_range", lambda eng, plan, lo, hi, *a: written.append((lo, hi))
+                        or real(eng, plan, lo, hi, *a))
+    state = _with_hparams(_state())
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    assert written and written[0][0] == 0  # written early, from the start of the file
+    assert _first_record(path).endswith("/data/0")
+    stock = os.path.join(disk_dir, "stock.pt")
+    torch.save(state, stock)
+    assert torch._C.PyTorchFileReader(path).get_record("data.pkl") == \
+        torch._C.PyTorchFileReader(stock).get_record("data.pkl")
+    for got in (torch.load(path, weights_only=False), fp_core.load(path, verify=True, weights_only=False)):
+        assert_identical(state, got)
+        assert type(got["hyper_parameters"]) is _Hparams
+    fp_core.verify(path)
+
+
+def test_the_writing_goes_on_in_batches_as_storages_are_found(disk_dir, early_from_1mib, monkeypatch):
+    monkeypatch.setattr(early_write, "MIN_BATCH", 64 << 10)
+    written: list = []
+    real = early_write.write_range
+    monkeypatch.setattr(early_write, "write_range", lambda eng, plan, lo, hi, *a: written.append((lo, hi))
+                        or real(eng, plan, lo, hi, *a))
+    torch.manual_seed(2)
+    state = {f"t{i}": torch.randn(50_000 + i) for i in range(400)}  # 80 MB, found one by one
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    assert len(written) >= 2, written
+    assert all(a[1] == b[0] for a, b in zip(written, written[1:]))  # contiguous, in file order
+    assert all(lo % 4096 == 0 and hi % 4096 == 0 for lo, hi in written)
+    assert_identical(state, fp_core.load(path, verify=True))
+    fp_core.verify(path)
+
+
+def test_a_state_changed_between_the_two_pickles_is_written_anew(disk_dir, early_from_1mib, monkeypatch):
+    """torch's pickler meets other storages under the keys laid out (another thread changed
+    the state after our pickle stopped): the save waits for the early bytes and writes the
+    state as torch's pickler found it, in torch's order."""
+    state = _with_hparams(_state())
+    real_capture = early_write.torch_capture
+
+    def change_then_capture(obj, *args, **kwargs):
+        obj["model"] = collections.OrderedDict((k, v + 1) for k, v in obj["model"].items())
+        return real_capture(obj, *args, **kwargs)
+
+    monkeypatch.setattr(early_write, "torch_capture", change_then_capture)
     path = os.path.join(disk_dir, "s.pt")
     fp_core.save(state, path)
     assert _first_record(path).endswith("/data.pkl")  # planned anew, torch's order
-    assert_identical(state, fp_core.load(path, verify=True))
-    assert_identical(state, torch.load(path))
+    assert not _early_threads()
+    got = fp_core.load(path, verify=True, weights_only=False)
+    assert_identical(state["model"], got["model"])  # the state as it was when the save ended
+    assert torch.equal(got["big"], state["big"])
     fp_core.verify(path)
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fp_core import state_pickle
-from fp_core.plan import _tensor_names
-from fp_core.skeleton import capture
+from fp_core.plan import tensor_names
+from fp_core.skeleton import capture, torch_capture
 
 
 def _torch_pickle(obj) -> bytes:
@@ -32,19 +32,21 @@ def _assert_torchs_bytes(obj) -> None:
     names: dict = {}
     data, storages = state_pickle.dumps(obj, names)
     assert data == _torch_pickle(obj)
-    assert names == _tensor_names(obj)  # the manifest names tensors as the walk over the object does
+    assert names == tensor_names(obj)  # the manifest names tensors as the walk over the object does
     fast, fast_storages = capture(obj, 4096, fast_tensors=True)
     slow, slow_storages = capture(obj, 4096, fast_tensors=False)
     assert fast.size == slow.size and fast.segments() == slow.segments()  # the whole zip skeleton too
     assert [(k, s.data_ptr(), d, n) for k, (s, d, n) in fast_storages.items()] == \
         [(k, s.data_ptr(), d, n) for k, (s, d, n) in slow_storages.items()] == \
         [(k, s.data_ptr(), d, n) for k, (s, d, n) in storages.items()]
-    # The walk before the pickle (a sync save's early write) finds the same storages under
-    # the same keys, and the pickle made with its keys is the same bytes.
-    walked = state_pickle.walk_storages(obj)
-    assert [(k, s._cdata, d, n) for k, (s, d, n) in walked.items()] == \
-        [(k, s._cdata, d, n) for k, (s, d, n) in storages.items()]
-    assert state_pickle.dumps(obj, storages=walked)[0] == data
+    # on_storage (a sync save's early write) hears of each storage once, in key order, as
+    # torch's pickler reports them (fast or not).
+    for heard_of in (lambda cb: state_pickle.dumps(obj, on_storage=cb),
+                     lambda cb: torch_capture(obj, 4096, on_storage=cb),
+                     lambda cb: torch_capture(obj, 4096, fast_tensors=False, on_storage=cb)):
+        heard: list = []
+        heard_of(lambda key, entry, heard=heard: heard.append((key, entry[0]._cdata, entry[2])))
+        assert heard == [(k, s._cdata, n) for k, (s, _, n) in storages.items()]
 
 
 def _module_and_optimizer_state() -> dict:
@@ -137,7 +139,6 @@ def test_anything_else_is_left_to_torch(make):
     obj = make()
     with pytest.raises(state_pickle.NotPlainState):
         state_pickle.dumps(obj)
-    assert state_pickle.walk_storages(obj) is None
     fast, _ = capture(obj, 4096, fast_tensors=True)  # torch's own pickler, same file
     slow, _ = capture(obj, 4096, fast_tensors=False)
     assert fast.segments() == slow.segments()
@@ -148,23 +149,6 @@ def test_a_tensor_with_attributes_is_left_to_torch():
     t.note = "x"
     with pytest.raises(state_pickle.NotPlainState):
         state_pickle.dumps({"t": t})
-    assert state_pickle.walk_storages({"t": t}) is None
-
-
-def test_a_pickle_that_meets_another_state_than_the_walk_says_so():
-    """The state changed between the walk and the pickle (another thread): dumps with the
-    walk's keys refuses, whichever way it changed, and the save plans anew."""
-    a, b = torch.ones(3), torch.zeros(5)
-    state = {"a": a, "b": b}
-    walked = state_pickle.walk_storages(state)
-    for changed in ({"a": a, "b": b, "c": torch.ones(1)},  # a storage the walk did not see
-                    {"a": a},  # one it saw is gone
-                    {"a": a, "b": torch.zeros(5)}):  # replaced by another of the same size
-        with pytest.raises(state_pickle.NotPlainState):
-            state_pickle.dumps(changed, storages=walked)
-    b.untyped_storage().resize_(40)  # one it saw grew
-    with pytest.raises(state_pickle.NotPlainState):
-        state_pickle.dumps(state, storages=walked)
 
 
 def test_nesting_too_deep_gets_torchs_own_error():
