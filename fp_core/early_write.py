@@ -19,6 +19,7 @@ out exactly as :func:`fp_core.plan.build` does, and nothing is written early.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any
@@ -27,9 +28,11 @@ from . import plan as plan_mod
 from . import state_pickle
 from .engine import EngineOptions
 from .plan import FilePlan, StorageExtent, align_down
-from .skeleton import StoragesFirst, plain_skeleton, record_bytes, torch_capture
+from .skeleton import StoragesFirst, plain_skeleton, record_bytes, storage_alignment, torch_capture
 from .state_pickle import StorageEntry
-from .writer import PieceCrc, RangeStats, write_range
+from .writer import PieceCrc, RangeStats, mark_ready, write_range
+
+log = logging.getLogger("fastpersist")
 
 # Storage bytes found before the writing begins: below this a save's plan is a small share
 # of its time and a thread to overlap it with costs more than it hides.
@@ -58,6 +61,9 @@ class EarlyWrite:
         self._idle = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._cancelled = False  # the save is failing: batches not begun are skipped
+        self._plain = True  # our pickler runs (False: torch's, after ours stopped)
+        self._packing: int | None = None  # the packed alignment the layout may use (see _begin)
         self._error: BaseException | None = None
         self._pieces: list[PieceCrc] = []
         self.stats = RangeStats()
@@ -86,18 +92,29 @@ class EarlyWrite:
 
     def _begin(self) -> None:
         first = {str(i): e for i, e in enumerate(self._entries)}
-        self.layout = StoragesFirst(first, self.alignment, plan_mod.PLAIN_STORAGE_ALIGNMENT)
+        self._packing = self._plain_alignment()  # the rule the layout follows to the end
+        self.layout = StoragesFirst(first, self.alignment, self._packing)
         for key, entry in first.items():
             self._lay_out(key, entry)
-        self._thread = threading.Thread(target=self._run, name="fastpersist-early-write", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="fastpersist-early-write", daemon=True)
+        thread.start()
+        self._thread = thread  # only once started: stop() joins it
         self._offer()
+
+    def _plain_alignment(self) -> int | None:
+        """The packed storage alignment applies to states our pickler takes, as in plan.build."""
+        return plan_mod.PLAIN_STORAGE_ALIGNMENT if self._plain else None
 
     def _lay_out(self, key: str, entry: StorageEntry) -> None:
         storage, _, nbytes = entry
         offset = self.layout.add(key, nbytes)
         if nbytes:
-            self._pending.append(StorageExtent(offset, nbytes, storage, int(key)))
+            extent = StorageExtent(offset, nbytes, storage, int(key))
+            if storage.device.type != "cpu":
+                # Copied to the host on the writing thread, whose current stream is not the
+                # caller's: it must wait for the work queued on the caller's stream by now.
+                mark_ready([extent])
+            self._pending.append(extent)
 
     def _offer(self) -> None:
         """Hand the laid-out bytes not handed yet (to a block boundary) to the thread."""
@@ -108,9 +125,9 @@ class EarlyWrite:
         self._pending = [s for s in self._pending if s.end > hi]
         batch = FilePlan(file_size=hi, alignment=self.alignment, skeleton=self.layout.take(lo, hi),
                          storages=extents, manifest=None)
-        self._offered = hi
         self._idle.clear()
         self._batches.put((batch, lo, hi))
+        self._offered = hi
 
     # -- the writing thread ------------------------------------------------------------
     def _run(self) -> None:
@@ -118,7 +135,7 @@ class EarlyWrite:
             item = self._batches.get()
             if item is None:
                 return
-            if self._error is None:  # after a failure, batches are only drained
+            if self._error is None and not self._cancelled:  # else batches are only drained
                 batch, lo, hi = item
                 try:
                     self._pieces.extend(write_range(self._engine, batch, lo, hi, self._options, self.stats))
@@ -136,9 +153,12 @@ class EarlyWrite:
             data, storages = state_pickle.dumps(obj, names, on_storage=self._on_storage)
             sparse = None
         except state_pickle.NotPlainState:
+            self._plain = False
             try:
                 sparse, storages = torch_capture(obj, self.alignment, on_storage=self._on_storage)
             except _Diverged:
+                return None
+            if len(storages) != len(self._entries):  # fewer than ours found: the state changed
                 return None
             names = plan_mod.tensor_names(obj)
             data = record_bytes(sparse, "/data.pkl")
@@ -146,13 +166,21 @@ class EarlyWrite:
             if sparse is None:
                 sparse = plain_skeleton(data, storages, self.alignment, plan_mod.PLAIN_STORAGE_ALIGNMENT)
             return plan_mod.from_skeleton(sparse, storages, names, self.alignment)
+        if storage_alignment(storages, self.alignment, self._packing) != self.layout.alignment:
+            # decided on the storages found first, the rest would have decided otherwise (a
+            # large tensor, then thousands of small ones): lay the file out as build() would
+            return None
         self._offer()  # the rest of the storages' bytes
         self.end = self._offered
         self._close()
         plan = plan_mod.from_skeleton(self.layout.finish(data), storages, names, self.alignment)
+        records = plan.manifest.records
         early = {s.record: s.offset for s in plan.storages if s.offset < self.end}
-        if any(offset != early.get(int(key)) for key, offset in self.layout.offsets if offset < self.end):
-            raise RuntimeError("the storages' layout moved between the early write and the plan")
+        if any(offset != early.get(int(key)) or not records[int(key)].name.endswith(f"/data/{key}")
+               for key, offset in self.layout.offsets if offset < self.end):
+            log.error("fastpersist: the storages' layout moved between the early write and the plan; "
+                      "writing the checkpoint anew")
+            return None
         return plan
 
     def _close(self) -> None:
@@ -167,11 +195,25 @@ class EarlyWrite:
             raise self._error
         return self._pieces, self.stats
 
-    def stop(self) -> None:
-        """No more batches; wait for those handed over (never close the file under them)."""
+    def stop(self, cancel: bool = False) -> None:
+        """No more batches (``cancel``: none not begun either); wait for the thread to be
+        out of the file, which must not be closed under its writes. An interrupt (Ctrl-C)
+        while waiting cancels what is not begun and is raised once the thread is out."""
+        if cancel:
+            self._cancelled = True
         self._close()
-        if self._thread is not None:
-            self._thread.join()
+        thread = self._thread
+        if thread is None:
+            return
+        interrupted: BaseException | None = None
+        while thread.is_alive():
+            try:
+                thread.join()
+            except BaseException as e:  # noqa: BLE001 - raised below, once the thread is out
+                interrupted = interrupted or e
+                self._cancelled = True
+        if interrupted is not None:
+            raise interrupted
 
 
 __all__ = ["EarlyWrite", "MIN_BYTES", "MIN_BATCH"]

@@ -68,7 +68,8 @@ class LocalSave:
                     with gc_paused():
                         plan = self._early.plan(obj)
                     if plan is None or not self._early.started:
-                        self._early.stop()  # nothing written early (small), or it must be written anew
+                        # nothing written early (small), or what was is written anew
+                        self._early.stop(cancel=True)
                         self._early = None
                     self.plan: FilePlan = plan if plan is not None else build(obj, alignment)
                 elif format == "torch":
@@ -97,8 +98,8 @@ class LocalSave:
             raise self._failed
         try:
             with self.engine:
-                early, self._early = self._early, None
-                rs = write_single(self.engine, self.plan, self.options, on_body_written, early=early)
+                rs = write_single(self.engine, self.plan, self.options, on_body_written, early=self._early)
+                self._early = None  # written, its thread out of the file
                 t_sync = time.perf_counter()
                 self.engine.sync()
             if self._failed is not None:  # failed meanwhile (by the fence, on another thread)
@@ -128,7 +129,9 @@ class LocalSave:
         self._failed = error
 
     def abort(self) -> None:
-        if self._early is not None:  # never close the file under its writes
-            self._early.stop()
+        try:
+            if self._early is not None:  # never close the file under its writes
+                self._early.stop(cancel=True)
+        finally:
             self._early = None
-        self.temp.abort()
+            self.temp.abort()

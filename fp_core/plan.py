@@ -170,7 +170,7 @@ def tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, s
 # torch's own. Block padding costs up to a block per tensor (a third more bytes to write,
 # sync and free for a state dict of thousands of small tensors) and buys little there:
 # the engine stages every storage that is not congruent with its address, and torch's
-# tensors sit at page + 64. skeleton._storage_alignment decides which states qualify.
+# tensors sit at page + 64. skeleton.storage_alignment decides which states qualify.
 PLAIN_STORAGE_ALIGNMENT = 64
 
 

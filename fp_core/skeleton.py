@@ -7,7 +7,7 @@ writes and seeks, so a 4 GiB checkpoint yields a skeleton of a few KiB plus a li
 Storage alignment is raised to the O_DIRECT block size so that every storage's bytes start
 on a block boundary (a tensor that sits on a page in memory is then written without a
 copy), except for a plain state of many small tensors, where that padding would be a large
-share of the file (:func:`_storage_alignment`). A plain state is pickled by
+share of the file (:func:`storage_alignment`). A plain state is pickled by
 :mod:`.state_pickle` rather than torch's pickler, into the same bytes.
 """
 
@@ -322,7 +322,7 @@ def capture(obj: Any, alignment: int, fast_tensors: bool = True, names: dict[int
     filled as :func:`state_pickle.dumps` does where our writer ran, left alone otherwise.
     ``plain_alignment``: the storage alignment where our writer ran (its tensors are all
     on the CPU) and block padding would be a large share of the file (see
-    :func:`_storage_alignment`), instead of ``alignment``."""
+    :func:`storage_alignment`), instead of ``alignment``."""
     if fast_tensors:
         try:
             data, storages = dumps_state(obj, names)
@@ -357,7 +357,7 @@ def record_bytes(sparse: SparseFile, suffix: str) -> bytes:
     raise KeyError(suffix)
 
 
-def _storage_alignment(storages: dict[str, StorageEntry], alignment: int, plain_alignment: int | None) -> int:
+def storage_alignment(storages: dict[str, StorageEntry], alignment: int, plain_alignment: int | None) -> int:
     """``plain_alignment`` where padding each storage to ``alignment`` (half a block each,
     on average) would add more than 1/32 to the bytes: a state of thousands of small
     tensors. Otherwise blocks, where a storage that sits on a page in memory is written
@@ -412,7 +412,7 @@ class _SkeletonSink:
 def plain_skeleton(data: bytes, storages: dict[str, StorageEntry], alignment: int,
                    plain_alignment: int | None) -> SparseFile:
     """The skeleton of a plain state pickled by :mod:`.state_pickle` (``data``, its storages)."""
-    return _zip_skeleton(data, storages, _storage_alignment(storages, alignment, plain_alignment))
+    return _zip_skeleton(data, storages, storage_alignment(storages, alignment, plain_alignment))
 
 
 class StoragesFirst:
@@ -421,12 +421,12 @@ class StoragesFirst:
     be written before ``data.pkl`` exists. torch's reader finds records through the central
     directory, so their order in the file is free; the records are the ones
     :func:`_zip_skeleton` writes, through the same writer. The storage alignment is decided
-    by the storages found when the layout begins (sizes alone, as :func:`_storage_alignment`)."""
+    by the storages found when the layout begins (sizes alone, as :func:`storage_alignment`)."""
 
     def __init__(self, first: dict[str, StorageEntry], alignment: int, plain_alignment: int | None) -> None:
         """``first``: the storages found when the layout begins; their sizes decide the
         storage alignment. Each storage is then laid out by :meth:`add`."""
-        self.alignment = _storage_alignment(first, alignment, plain_alignment)
+        self.alignment = storage_alignment(first, alignment, plain_alignment)
         self._sink = _SkeletonSink()
         self._writer = torch._C.PyTorchFileWriter(self._sink, False, self.alignment)
         self._taken = 0  # segments handed out by take()

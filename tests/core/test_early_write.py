@@ -8,6 +8,7 @@ import collections
 import errno
 import os
 import threading
+import types
 
 import pytest
 import torch
@@ -72,10 +73,33 @@ def test_storages_first_file_reads_the_same_every_way(disk_dir, early_from_1mib)
     assert torch.equal(state["big"], target["big"])
 
 
-def test_small_states_are_laid_out_as_torch_does(disk_dir):
-    path = os.path.join(disk_dir, "s.pt")
-    fp_core.save({"a": torch.ones(1000)}, path)  # far below early_write.MIN_BYTES
+def _layout(path: str) -> tuple[int, list[tuple[str, int]]]:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return os.path.getsize(path), [(i.filename, i.header_offset) for i in z.infolist()]
+
+
+def test_small_states_are_laid_out_as_without_it(disk_dir):
+    state = {f"t{i}": torch.randn(100 + i) for i in range(300)}  # far below early_write.MIN_BYTES
+    path, plain = os.path.join(disk_dir, "s.pt"), os.path.join(disk_dir, "plain.pt")
+    fp_core.save(state, path)
+    fp_core.prepare(state, plain).run()  # no early write
+    assert _layout(path) == _layout(plain)
     assert _first_record(path).endswith("/data.pkl")
+
+
+def test_a_large_tensor_then_thousands_of_small_ones_is_laid_out_as_without_it(disk_dir):
+    """The storage alignment is decided on the storages found first; where the whole state
+    decides otherwise (packed, for thousands of small tensors), the file is laid out anew."""
+    torch.manual_seed(3)
+    state = {"big": torch.randn(early_write.MIN_BYTES // 4 + 1000)}
+    state.update({f"small{i}": torch.randn(100) for i in range(20_000)})
+    path, plain = os.path.join(disk_dir, "s.pt"), os.path.join(disk_dir, "plain.pt")
+    fp_core.save(state, path)
+    fp_core.prepare(state, plain).run()
+    assert _layout(path) == _layout(plain)
+    assert_identical(state, fp_core.load(path, verify=True))
 
 
 class _Hparams(dict):
@@ -148,7 +172,7 @@ def test_a_state_changed_between_the_two_pickles_is_written_anew(disk_dir, early
 
 
 def _early_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "fastpersist-early-write"]
+    return [t for t in threading.enumerate() if t.name == "fastpersist-early-write" and t.is_alive()]
 
 
 def test_a_failing_pickle_waits_for_the_early_write_and_keeps_the_old_file(disk_dir, early_from_1mib, monkeypatch):
@@ -180,3 +204,66 @@ def test_a_failing_early_write_is_the_saves_error(disk_dir, early_from_1mib, fau
     assert not _early_threads()
     assert sorted(os.listdir(disk_dir)) == ["s.pt"]
     assert_identical(old, fp_core.load(path, verify=True))
+
+
+def test_a_state_that_shrank_between_the_two_pickles_is_written_anew(disk_dir, early_from_1mib, monkeypatch):
+    state = _with_hparams(_state())
+    real_capture = early_write.torch_capture
+
+    def shrink_then_capture(obj, *args, **kwargs):
+        del obj["ints"], obj["tied"]  # storages ours found, written early, now gone
+        return real_capture(obj, *args, **kwargs)
+
+    monkeypatch.setattr(early_write, "torch_capture", shrink_then_capture)
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    assert _first_record(path).endswith("/data.pkl")
+    assert_identical(state, fp_core.load(path, verify=True, weights_only=False))
+
+
+def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1mib, monkeypatch):
+    """SIGINT lands while the save waits for its early write (most of a large save): the
+    interrupt is what the caller gets, once the thread is out of the file; no temporary
+    file stays and the previous checkpoint is intact."""
+    import signal
+    import time
+
+    monkeypatch.setattr(fp_core.commit, "tmpfile_supported", lambda d: False)  # a named temp, to see a leak
+    path = os.path.join(disk_dir, "s.pt")
+    old = {"old": torch.arange(100)}
+    fp_core.save(old, path)
+    real = early_write.write_range
+
+    def slow_disk(*args):
+        time.sleep(0.4)
+        return real(*args)
+
+    monkeypatch.setattr(early_write, "write_range", slow_disk)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fp_core.save(_state(), path)
+    finally:
+        timer.cancel()
+    assert not _early_threads()
+    assert sorted(os.listdir(disk_dir)) == ["s.pt"]
+    assert_identical(old, fp_core.load(path, verify=True))
+
+
+def test_a_thread_that_cannot_start_fails_the_save_cleanly(disk_dir, early_from_1mib, monkeypatch):
+    class Unstartable(threading.Thread):
+        def start(self):
+            raise RuntimeError("can't start new thread")
+
+    # early_write's own view of the threading module (the commit's cleaner still starts threads)
+    monkeypatch.setattr(early_write, "threading", types.SimpleNamespace(Thread=Unstartable, Event=threading.Event))
+    monkeypatch.setattr(fp_core.commit, "tmpfile_supported", lambda d: False)
+    path = os.path.join(disk_dir, "s.pt")
+    old = {"old": torch.arange(100)}
+    fp_core.save(old, path)
+    with pytest.raises(fp_core.CheckpointSerializationError, match="can't start new thread"):
+        fp_core.save(_state(), path)
+    assert sorted(os.listdir(disk_dir)) == ["s.pt"]
+    assert_identical(old, fp_core.load(path, verify=True))
+
