@@ -228,6 +228,17 @@ int fp_engine_open(fp_engine_t *eng, const char *path, const fp_engine_options_t
         }
     }
     fp_detect_alignment(fd, &eng->alignment, &eng->mem_alignment);
+    {
+        /* Writes cover whole filesystem blocks, not only whole device blocks: a direct
+         * write of part of a block (the end of a file of 6 KiB on 4 KiB blocks) is
+         * "unaligned" to ext4, which takes it out of io_uring's inline path (an io-wq
+         * worker, with the inode lock) and zeroes the rest of the block. A write
+         * engine's range end is padded and the file truncated to its size anyway. */
+        struct stat st;
+        if (fstat(fd, &st) == 0 && st.st_blksize > eng->alignment && st.st_blksize <= (1 << 16) &&
+            (st.st_blksize & (st.st_blksize - 1)) == 0)
+            eng->alignment = st.st_blksize;
+    }
     eng->fd = fd;
     eng->backend = bk;
     eng->queue_depth = o->queue_depth;
