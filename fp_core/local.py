@@ -42,9 +42,9 @@ class LocalSave:
         """``congruent``: lay CPU tensors out in the file congruent to their addresses, so
         they can be written without staging (see :func:`fp_core.plan.build`). ``mode``:
         the file's permission bits (default: 0666 less the umask, as ``torch.save``).
-        ``early_write``: start writing a large plain state's storages while its pickle is
-        made (:mod:`fp_core.early_write`; a save run at once, whose state cannot change
-        before it runs)."""
+        ``early_write``: start writing a large state's storages while its pickle is made
+        (:mod:`fp_core.early_write`; for a save run at once: its layout is not congruent,
+        and its temporary file is written from the first storages on)."""
         t0 = time.perf_counter()
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")

@@ -416,9 +416,9 @@ def plain_skeleton(data: bytes, storages: dict[str, StorageEntry], alignment: in
 
 
 class StoragesFirst:
-    """A plain state's skeleton with its storages' records first, laid out one by one as
-    the pickle finds them (:func:`state_pickle.dumps`'s ``on_storage``), so their bytes can
-    be written before ``data.pkl`` exists. torch's reader finds records through the central
+    """A state's skeleton with its storages' records first, laid out one by one as a
+    pickler finds them (``on_storage`` of :func:`state_pickle.dumps` or
+    :func:`torch_capture`), so their bytes can be written before ``data.pkl`` exists. torch's reader finds records through the central
     directory, so their order in the file is free; the records are the ones
     :func:`_zip_skeleton` writes, through the same writer. The storage alignment is decided
     by the storages found when the layout begins (sizes alone, as :func:`storage_alignment`)."""
