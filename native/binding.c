@@ -60,9 +60,16 @@ static PyObject *raise_engine(int rc, const char *msg, PyObject *path)
  * name reads like a problem with the file, so it is said in words. */
 static PyObject *raise_io_error(int e, PyObject *path, int writing)
 {
+    char msg[384];
+    if (e == ETIMEDOUT && writing) {
+        snprintf(msg, sizeof msg,
+                 "ETIMEDOUT: writes submitted to io_uring got no completion for longer than "
+                 "FASTPERSIST_URING_STALL_S (default 120 s); nothing was committed, and later writes "
+                 "of this engine use a pwrite pool");
+        return raise_errno_msg_path(ETIMEDOUT, msg, path);
+    }
     if (e != EFAULT)
         return raise_errno_path(e, path);
-    char msg[384];
     if (writing)
         snprintf(msg, sizeof msg,
                  "EFAULT (%s): the source memory of the checkpoint was freed or unmapped while it was "

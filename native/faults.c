@@ -20,11 +20,12 @@ static int fault_setup_errno;    /* io_uring_setup */
 static int fault_odirect_errno;  /* O_DIRECT open */
 static int fault_read_errno;     /* one-shot */
 static ll fault_read_after;
+static int fault_lose_completion; /* one-shot */
 
 static void fault_update_any(void)
 {
     int any = fault_write_errno || fault_short_write || fault_setup_errno ||
-              fault_odirect_errno || fault_read_errno;
+              fault_odirect_errno || fault_read_errno || fault_lose_completion;
     __atomic_store_n(&fault_any, any, __ATOMIC_RELEASE);
 }
 
@@ -58,6 +59,18 @@ int fp_fault_read(ll off, ll len) { return fault_check_range(&fault_read_errno, 
 int fp_fault_io_uring_setup(void) { return fault_get(&fault_setup_errno); }
 int fp_fault_o_direct(void) { return fault_get(&fault_odirect_errno); }
 
+int fp_fault_lose_completion(void)
+{
+    if (!__atomic_load_n(&fault_any, __ATOMIC_ACQUIRE))
+        return 0;
+    pthread_mutex_lock(&fault_mu);
+    int lose = fault_lose_completion;
+    fault_lose_completion = 0;
+    fault_update_any();
+    pthread_mutex_unlock(&fault_mu);
+    return lose;
+}
+
 /* Under "short_write": half, rounded down to the alignment, at least one block. */
 ll fp_fault_first_len(ll n, ll align)
 {
@@ -76,6 +89,7 @@ int fp_inject_fault(const char *kind, int err, ll after)
     pthread_mutex_lock(&fault_mu);
     if (!kind) {
         fault_write_errno = fault_short_write = fault_setup_errno = fault_odirect_errno = fault_read_errno = 0;
+        fault_lose_completion = 0;
     } else if (!strcmp(kind, "write")) {
         fault_write_errno = e;
         fault_write_after = after;
@@ -85,6 +99,8 @@ int fp_inject_fault(const char *kind, int err, ll after)
         fault_setup_errno = e;
     } else if (!strcmp(kind, "o_direct")) {
         fault_odirect_errno = err > 0 ? err : EINVAL;
+    } else if (!strcmp(kind, "lose_completion")) {
+        fault_lose_completion = 1;
     } else if (!strcmp(kind, "read")) {
         fault_read_errno = e;
         fault_read_after = after;

@@ -71,6 +71,8 @@ uint32_t fp_copy_crc_cached(void *dst, const void *src, size_t n, uint32_t crc, 
  *   "io_uring_setup" io_uring_setup fails with err
  *   "o_direct"       enabling O_DIRECT fails with err
  *   "read"           one-shot: the first read reaching past `after` bytes fails with err
+ *   "lose_completion" one-shot: the io_uring owner ignores the next write completion, as if
+ *                    the kernel never posted it (the stall watchdog's test)
  *   NULL             clear every fault
  * err 0 means the kind's default: EINVAL for "o_direct", EIO for the others.
  * Returns 0, or EINVAL for an unknown kind (nothing armed). */
@@ -81,6 +83,7 @@ int fp_fault_write(ll off, ll len);
 int fp_fault_read(ll off, ll len);
 int fp_fault_io_uring_setup(void);
 int fp_fault_o_direct(void);
+int fp_fault_lose_completion(void); /* 1 once when armed */
 /* Length of a write request's first attempt: n, or under "short_write" about half of it
  * (rounded down to the alignment, at least one block). */
 ll fp_fault_first_len(ll n, ll align);
@@ -130,7 +133,9 @@ typedef struct {
     struct io_uring_cqe *cqes;
     void *sq_ptr, *cq_ptr;
     size_t sq_sz, cq_sz, sqes_sz;
-    unsigned tail; /* local SQ tail */
+    unsigned tail;     /* local SQ tail */
+    unsigned features; /* IORING_FEAT_* of the kernel */
+    int broken;        /* failed, or a request was lost: later writes use a pwrite pool */
 } fp_ring_t;
 
 /* A closed ring (safe to fp_ring_close). */
@@ -146,6 +151,9 @@ void fp_ring_publish(fp_ring_t *R);
 unsigned fp_ring_unsubmitted(fp_ring_t *R);
 /* io_uring_enter: >= 0, or -1 with errno set. */
 int fp_ring_enter(fp_ring_t *R, unsigned to_submit, unsigned min_complete, unsigned flags);
+/* Submit and wait for one completion, at most timeout_ms (0: no limit; also where the kernel
+ * has no IORING_FEAT_EXT_ARG): >= 0, or -1 with errno set (ETIME: the time ran out). */
+int fp_ring_wait(fp_ring_t *R, unsigned to_submit, int timeout_ms);
 
 /* ---------------------------------------------------------------- engine.c */
 

@@ -91,6 +91,7 @@ int fp_ring_setup(fp_ring_t *R, unsigned entries)
     R->cq_mask = (unsigned *)(c + p.cq_off.ring_mask);
     R->cqes = (struct io_uring_cqe *)(c + p.cq_off.cqes);
     R->tail = *R->sq_tail;
+    R->features = p.features;
     return 0;
 fail:
     e = errno;
@@ -124,4 +125,16 @@ unsigned fp_ring_unsubmitted(fp_ring_t *R)
 int fp_ring_enter(fp_ring_t *R, unsigned to_submit, unsigned min_complete, unsigned flags)
 {
     return (int)syscall(__NR_io_uring_enter, R->fd, to_submit, min_complete, flags, NULL, 0);
+}
+
+int fp_ring_wait(fp_ring_t *R, unsigned to_submit, int timeout_ms)
+{
+    if (timeout_ms <= 0 || !(R->features & IORING_FEAT_EXT_ARG))
+        return fp_ring_enter(R, to_submit, 1, IORING_ENTER_GETEVENTS);
+    struct __kernel_timespec ts = {.tv_sec = timeout_ms / 1000, .tv_nsec = (long long)(timeout_ms % 1000) * 1000000};
+    struct io_uring_getevents_arg arg;
+    memset(&arg, 0, sizeof arg);
+    arg.ts = (uint64_t)(uintptr_t)&ts;
+    return (int)syscall(__NR_io_uring_enter, R->fd, to_submit, 1, IORING_ENTER_GETEVENTS | IORING_ENTER_EXT_ARG,
+                        &arg, sizeof arg);
 }

@@ -297,10 +297,26 @@ static void drain_efd(int efd)
     }
 }
 
+/* Seconds without a single write completion, writes in flight, after which the ring is taken
+ * for broken: the job fails with ETIMEDOUT instead of waiting forever for a completion the
+ * kernel may never post (FASTPERSIST_URING_STALL_S; 0 turns the watchdog off). */
+static double stall_limit(void)
+{
+    const char *v = getenv("FASTPERSIST_URING_STALL_S");
+    if (!v || !*v)
+        return 120.0;
+    char *end;
+    double s = strtod(v, &end);
+    return (end != v && s >= 0) ? s : 120.0;
+}
+
 static void uring_owner(job_t *j)
 {
     fp_ring_t *R = j->ring;
     int inflight = 0, poll_armed = 0, broken = 0;
+    double stall = stall_limit(), progress = fp_now();
+    /* wake up this often to look at the clock (never longer than the limit itself) */
+    int tick_ms = stall <= 0 ? 0 : (stall < 1.0 ? (int)(stall * 1000) + 1 : 1000);
     for (;;) {
         pthread_mutex_lock(&j->mu);
         if (j->abort) {
@@ -340,8 +356,8 @@ static void uring_owner(job_t *j)
             poll_armed = 1;
         }
         unsigned pend = fp_ring_unsubmitted(R);
-        int r = fp_ring_enter(R, pend, 1, IORING_ENTER_GETEVENTS);
-        if (r < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY) {
+        int r = fp_ring_wait(R, pend, inflight ? tick_ms : 0);
+        if (r < 0 && errno != EINTR && errno != EAGAIN && errno != EBUSY && errno != ETIME) {
             /* the ring itself failed: nothing more can be waited for */
             pthread_mutex_lock(&j->mu);
             job_fail_locked(j, errno);
@@ -362,6 +378,9 @@ static void uring_owner(job_t *j)
                 drain_efd(j->efd);
                 continue;
             }
+            if (fp_fault_lose_completion())
+                continue; /* test hook: as if this completion were never posted */
+            progress = fp_now();
             int s = (int)(ud - 1);
             slot_t *sl = &j->slots[s];
             if (sl->fault_errno) {
@@ -407,8 +426,20 @@ static void uring_owner(job_t *j)
         }
         __atomic_store_n(R->cq_head, head, __ATOMIC_RELEASE);
         fp_ring_publish(R);
+        if (!inflight)
+            progress = fp_now();
+        else if (stall > 0 && fp_now() - progress > stall) {
+            /* writes in flight and not one completion for that long: lost (or a device that
+             * no longer answers); the caller gets an error, not a hang */
+            pthread_mutex_lock(&j->mu);
+            job_fail_locked(j, ETIMEDOUT);
+            pthread_mutex_unlock(&j->mu);
+            broken = 1;
+            break;
+        }
     }
     if (broken) {
+        R->broken = 1; /* its requests may still complete: no later job may read its CQEs */
         j->leak_slots = inflight > 0;
         return;
     }
@@ -671,8 +702,10 @@ int fp_engine_write(fp_engine_t *eng, const fp_extent_t *ext, int n_ext, ll star
         j.free_stack[i] = j.n_slots - 1 - i;
     j.n_free = j.n_slots;
     j.fd = eng->fd;
-    j.backend = eng->backend;
-    j.efd = eng->backend == FP_BK_IO_URING ? eng->efd : -1;
+    /* a ring that failed or lost a request is not used again: its late completions would
+     * be taken for this job's */
+    j.backend = eng->backend == FP_BK_IO_URING && eng->ring.broken ? FP_BK_THREADPOOL : eng->backend;
+    j.efd = j.backend == FP_BK_IO_URING ? eng->efd : -1;
     j.io_threads = eng->io_threads;
     j.qd = eng->queue_depth;
     j.ring = &eng->ring;

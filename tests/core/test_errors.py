@@ -131,6 +131,26 @@ def test_injected_eio(disk_dir, fault, backend, after):
     _assert_old_intact(path, old)
 
 
+def test_a_write_that_never_completes_is_an_error_not_a_hang(disk_dir, fault, monkeypatch):
+    monkeypatch.setenv("FASTPERSIST_URING_STALL_S", "0.5")
+    with fp_core._native.Engine(os.path.join(disk_dir, "probe.bin"), backend="io_uring") as eng:
+        if eng.backend != "io_uring":
+            pytest.skip(f"no io_uring here: {eng.backend_reason}")
+    os.unlink(os.path.join(disk_dir, "probe.bin"))
+    path = os.path.join(disk_dir, "ckpt.pt")
+    old = _old_checkpoint(path)
+    fault("lose_completion")
+    with pytest.raises(OSError) as ei:
+        fp_core.save({"big": torch.ones(2 * MiB)}, path, backend="io_uring")
+    if ei.value.errno != errno.ETIMEDOUT:
+        raise ei.value
+    assert path in str(ei.value)
+    _assert_old_intact(path, old)
+    new = {"new": torch.arange(10)}
+    fp_core.save(new, path)  # a new engine, io_uring again
+    assert_identical(new, fp_core.load(path, verify=True))
+
+
 def test_unknown_options_and_format(disk_dir):
     path = os.path.join(disk_dir, "x.pt")
     with pytest.raises(TypeError):

@@ -414,6 +414,34 @@ def test_injected_write_error(tmp_path, backend):
         eng.truncate(total)
 
 
+def test_a_lost_io_uring_completion_fails_the_write_instead_of_hanging(tmp_path, monkeypatch):
+    """A completion the kernel never posts (seen once in Lightning's suite): after the stall
+    limit the write fails with ETIMEDOUT, and the engine's later writes go through a pwrite
+    pool (the lost request may still complete; its ring is not read again)."""
+    import time
+
+    monkeypatch.setenv("FASTPERSIST_URING_STALL_S", "0.5")
+    rng = np.random.default_rng(17)
+    total = 3 * MiB + 4096
+    extents, keep, expected = make_layout(rng, total, 6)
+    path = tmp_path / "lost.bin"
+    with _native.Engine(str(path), backend="io_uring", chunk_bytes=1 * MiB) as eng:
+        if eng.backend != "io_uring":
+            pytest.skip(f"no io_uring here: {eng.backend_reason}")
+        _native.inject_fault("lose_completion")
+        t0 = time.perf_counter()
+        with pytest.raises(OSError) as ei:
+            eng.write(extents, 0, total)
+        assert ei.value.errno == errno.ETIMEDOUT and "FASTPERSIST_URING_STALL_S" in str(ei.value)
+        assert str(path) in str(ei.value)
+        assert time.perf_counter() - t0 < 10
+        crcs, _ = eng.write(extents, 0, total)
+        eng.truncate(total)
+    assert read_file(path) == expected.tobytes()
+    for (off, _, length), crc in zip(extents, crcs):
+        assert crc == _native.crc32c(expected[off : off + length])
+
+
 @pytest.mark.parametrize("backend", ["io_uring", "threadpool", "buffered"])
 def test_short_write_injection(tmp_path, backend):
     rng = np.random.default_rng(16)
