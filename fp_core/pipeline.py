@@ -491,8 +491,12 @@ class AsyncCheckpointer:
             for d in deps:
                 d._done.wait()
                 if d._error is not None:
-                    d._reported = True  # reported through this job's handle instead
-                    raise AsyncCheckpointError(f"skipped: {d.path} failed") from d._error
+                    skipped = AsyncCheckpointError(f"skipped: {d.path} failed")
+                    # The caller heard of that failure already (a fence raised it): this job's
+                    # handle still raises it, but no later report repeats it.
+                    skipped.cause_reported = d._reported
+                    d._reported = True  # else reported through this job's handle instead
+                    raise skipped from d._error
             return fn(*args)
 
         with self._cv:
@@ -722,7 +726,10 @@ class AsyncCheckpointer:
                 if handle.writes_checkpoint and handle in self._save_jobs:
                     self._save_jobs.remove(handle)
                 if error is not None and not handle._reported:
-                    self._finished.append(handle)
+                    if getattr(error, "cause_reported", False):
+                        log.warning("fastpersist: background job %s skipped: %s", handle.path, error)
+                    else:
+                        self._finished.append(handle)
                 handle._finish(result, error)
                 self._current = None
                 self._cv.notify_all()

@@ -4,6 +4,7 @@ close() and the context manager draining, on_commit, wait_for() and pending().""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import time
@@ -115,6 +116,34 @@ def test_enqueue_skipped_when_the_save_failed(disk_dir, fault, failed_before_que
     assert ran == []
     assert os.path.exists(old)
     fp_core.verify(old)
+
+
+def test_a_failure_already_raised_is_not_raised_again_by_the_job_skipped_behind_it(disk_dir, fault, caplog):
+    """A save fails, a fence raises it; a job queued behind the save (while it was pending)
+    runs later and is skipped: its handle says so, but wait() does not raise the same
+    failure a second time (it logs the skip)."""
+    old = os.path.join(disk_dir, "old.pt")
+    fp_core.save({"x": 1}, old)
+    gate = threading.Event()
+    ckpt = AsyncCheckpointer(backend="buffered")
+    try:
+        fault("write", errno=errno.EIO)
+        saved = ckpt.save(big_obj(8), os.path.join(disk_dir, "new.pt"))
+        ckpt.enqueue(gate.wait, 60, after=[])  # unrelated work between the save and the removal
+        removal = ckpt.enqueue(os.remove, old)  # queued behind the pending save
+        assert isinstance(saved.exception(timeout=60), OSError)
+        with pytest.raises(AsyncCheckpointError, match="EIO|Input/output"):
+            ckpt.fence()  # the failure, raised once
+        gate.set()
+        with caplog.at_level(logging.WARNING, logger="fastpersist"):
+            ckpt.wait()  # not raised again
+        assert any("skipped" in r.getMessage() for r in caplog.records)
+        with pytest.raises(AsyncCheckpointError, match="skipped"):  # its own handle still says so
+            removal.result(timeout=60)
+    finally:
+        gate.set()
+        ckpt.close()
+    assert os.path.exists(old)
 
 
 def test_enqueue_after_explicit_handles(disk_dir):
