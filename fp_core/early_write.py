@@ -92,7 +92,9 @@ class EarlyWrite:
 
     def _begin(self) -> None:
         first = {str(i): e for i, e in enumerate(self._entries)}
-        self._packing = self._plain_alignment()  # the rule the layout follows to the end
+        # the packed alignment applies to states our pickler takes, as in plan.build; the
+        # layout follows the rule it began with to the end
+        self._packing = plan_mod.PLAIN_STORAGE_ALIGNMENT if self._plain else None
         self.layout = StoragesFirst(first, self.alignment, self._packing)
         for key, entry in first.items():
             self._lay_out(key, entry)
@@ -100,10 +102,6 @@ class EarlyWrite:
         thread.start()
         self._thread = thread  # only once started: stop() joins it
         self._offer()
-
-    def _plain_alignment(self) -> int | None:
-        """The packed storage alignment applies to states our pickler takes, as in plan.build."""
-        return plan_mod.PLAIN_STORAGE_ALIGNMENT if self._plain else None
 
     def _lay_out(self, key: str, entry: StorageEntry) -> None:
         storage, _, nbytes = entry

@@ -369,14 +369,10 @@ def write_single(engine: _native.Engine, plan: FilePlan, options: EngineOptions,
     :class:`fp_core.early_write.EarlyWrite` that wrote the file's start while the plan was
     made; the rest is written after it.
     """
-    stats = RangeStats()
-    start, pieces = 0, []
+    start, pieces, stats = 0, [], RangeStats()
     if early is not None:
-        pieces, done = early.result()
+        pieces, stats = early.result()  # the rest adds to the early write's stats
         start = early.end
-        for name in ("bytes", "seconds", "copy_seconds", "io_wait_seconds", "device_copy_seconds", "requests",
-                     "short_writes", "zero_copy_bytes"):
-            setattr(stats, name, getattr(done, name))
     pieces = pieces + write_range(engine, plan, start, plan.tail_start, options, stats)
     write_tail(engine, plan, pieces, options, stats, on_body_written)
     return stats

@@ -102,6 +102,15 @@ def test_a_large_tensor_then_thousands_of_small_ones_is_laid_out_as_without_it(d
     assert_identical(state, fp_core.load(path, verify=True))
 
 
+def _record_batches(monkeypatch) -> list[tuple[int, int]]:
+    """The (lo, hi) of every batch the early write writes, in order (each still written)."""
+    written: list = []
+    real = early_write.write_range
+    monkeypatch.setattr(early_write, "write_range", lambda eng, plan, lo, hi, *a: written.append((lo, hi))
+                        or real(eng, plan, lo, hi, *a))
+    return written
+
+
 class _Hparams(dict):
     """A dict subclass, as Lightning's AttributeDict: not a plain state."""
 
@@ -113,10 +122,7 @@ def _with_hparams(state: dict) -> dict:
 def test_a_state_plain_only_at_first_keeps_its_early_storages(disk_dir, early_from_1mib, monkeypatch):
     """Our pickle stops at the first object it does not write, after the writing began;
     torch's pickler finds the same storages first, and the file keeps the early layout."""
-    written: list = []
-    real = early_write.write_range
-    monkeypatch.setattr(early_write, "write_range", lambda eng, plan, lo, hi, *a: written.append((lo, hi))
-                        or real(eng, plan, lo, hi, *a))
+    written = _record_batches(monkeypatch)
     state = _with_hparams(_state())
     path = os.path.join(disk_dir, "s.pt")
     fp_core.save(state, path)
@@ -134,10 +140,7 @@ def test_a_state_plain_only_at_first_keeps_its_early_storages(disk_dir, early_fr
 
 def test_the_writing_goes_on_in_batches_as_storages_are_found(disk_dir, early_from_1mib, monkeypatch):
     monkeypatch.setattr(early_write, "MIN_BATCH", 64 << 10)
-    written: list = []
-    real = early_write.write_range
-    monkeypatch.setattr(early_write, "write_range", lambda eng, plan, lo, hi, *a: written.append((lo, hi))
-                        or real(eng, plan, lo, hi, *a))
+    written = _record_batches(monkeypatch)
     torch.manual_seed(2)
     state = {f"t{i}": torch.randn(50_000 + i) for i in range(400)}  # 80 MB, found one by one
     path = os.path.join(disk_dir, "s.pt")
