@@ -91,6 +91,7 @@ typedef struct {
     PyObject *path;
     PyObject *backend_str;
     PyObject *reason;
+    int ring_reported; /* backend_str already says the broken ring's writes went to the pool */
 } EngineObject;
 
 static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
@@ -164,6 +165,19 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw)
     if (!self->backend_str || !self->reason)
         return -1;
     return 0;
+}
+
+/* After a ring stopped answering (the stall watchdog), the engine's later writes go through
+ * its pwrite pool: say so in `backend`, `backend_reason` and every later write's stats. */
+static int sync_backend(EngineObject *self)
+{
+    if (self->eng.backend != FP_BK_IO_URING || !self->eng.ring.broken || self->ring_reported)
+        return 0;
+    self->ring_reported = 1;
+    Py_XSETREF(self->backend_str, PyUnicode_FromString(fp_backend_name(FP_BK_THREADPOOL)));
+    Py_XSETREF(self->reason, PyUnicode_FromString("io_uring stopped answering (a write got no completion "
+                                                  "within FASTPERSIST_URING_STALL_S): later writes use the pwrite pool"));
+    return self->backend_str && self->reason ? 0 : -1;
 }
 
 static int engine_check(EngineObject *self)
@@ -267,6 +281,8 @@ static PyObject *Engine_write(EngineObject *self, PyObject *args, PyObject *kw)
     rc = fp_engine_write(&self->eng, ext, n_ext, start, end, checksum, zero_copy, crcs, &st, msg, sizeof msg);
     Py_END_ALLOW_THREADS
     self->busy = 0;
+    if (sync_backend(self))
+        goto out;
     if (rc > 0) {
         raise_io_error(rc, self->path, 1);
         goto out;
