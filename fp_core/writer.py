@@ -86,23 +86,33 @@ def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None =
     arena); otherwise pinned (CUDA) or plain host buffers are allocated.
     """
     streams: dict[torch.device, Any] = {}
-    for i, s in enumerate(extents):
-        dev = s.source.device
-        pin = dev.type == "cuda"
-        buf = into[i] if into is not None else torch.empty(s.length, dtype=torch.uint8, pin_memory=pin)
-        if pin:
-            stream = streams.setdefault(dev, torch.cuda.Stream(dev))
-            if s.ready is not None:  # after the work queued before save(), on the caller's stream
-                stream.wait_event(s.ready)
+    try:
+        for i, s in enumerate(extents):
+            dev = s.source.device
+            pin = dev.type == "cuda"
+            buf = into[i] if into is not None else torch.empty(s.length, dtype=torch.uint8, pin_memory=pin)
+            if pin:
+                # The device guard first: a stream context alone, on a thread whose current
+                # device is another (a writer thread's is cuda:0), sets that device back on
+                # exit and so makes a context on it (memory on GPU 0 for every rank).
+                with torch.cuda.device(dev):
+                    if dev not in streams:  # one side stream per device, not one per storage
+                        streams[dev] = torch.cuda.Stream(dev)
+                    stream = streams[dev]
+                    if s.ready is not None:  # after the work queued before save(), on the caller's stream
+                        stream.wait_event(s.ready)
+                    else:
+                        stream.wait_stream(torch.cuda.current_stream(dev))
+                    with torch.cuda.stream(stream):
+                        buf.copy_(s.source, non_blocking=True)
             else:
-                stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                buf.copy_(s.source, non_blocking=True)
-        else:
-            buf.copy_(s.source)
-        s.host = buf
-    for stream in streams.values():
-        stream.synchronize()
+                buf.copy_(s.source)
+            s.host = buf
+    finally:
+        # also when a copy or an allocation failed part-way: nothing may still be copying
+        # into buffers the caller is about to drop or hand back to a pool
+        for stream in streams.values():
+            stream.synchronize()
 
 
 SNAPSHOT_CONGRUENCE = 4096  # a snapshot copy agrees with its file offset modulo 4 KiB

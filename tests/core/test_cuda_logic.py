@@ -134,6 +134,8 @@ class _FakeCudaTensor(torch.Tensor):
 
     log: list = []
     streams: _Streams
+    devices: list = []  # the device guards entered (torch.cuda.device)
+    guarded: list = []  # per copy, the device guard it was issued under
 
     @property
     def device(self):  # type: ignore[override]
@@ -144,6 +146,7 @@ class _FakeCudaTensor(torch.Tensor):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") == "copy_":
             cls.log.append(("copy", cls.streams.stack[-1].name, bool(kwargs.get("non_blocking", False))))
+            cls.guarded.append(cls.devices[-1] if cls.devices else None)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -193,6 +196,7 @@ def fake_cuda(monkeypatch):
     "caller"); pinned allocations recorded (and made in ordinary memory). Yields (log,
     pinned allocation sizes)."""
     _FakeCudaTensor.log = []
+    _FakeCudaTensor.devices, _FakeCudaTensor.guarded = [], []
     _FakeCudaTensor.streams = _Streams()
     _FakeCudaTensor.streams.stack.append(_FakeStream(name="caller"))
     pinned: list[int] = []
@@ -205,6 +209,15 @@ def fake_cuda(monkeypatch):
         finally:
             _FakeCudaTensor.streams.stack.pop()
 
+    @contextlib.contextmanager
+    def device(d):
+        _FakeCudaTensor.log.append(("device", str(d)))
+        _FakeCudaTensor.devices.append(str(d))
+        try:
+            yield
+        finally:
+            _FakeCudaTensor.devices.pop()
+
     real_empty = torch.empty
 
     def empty(*size, **kw):
@@ -216,6 +229,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeCudaTensor.streams.stack[-1])
     monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch, "empty", empty)
     yield _FakeCudaTensor.log, pinned
 
@@ -250,6 +264,32 @@ def test_copy_to_host_orders_device_copies_on_a_side_stream(fake_cuda):
         assert e.host is not None and type(e.host) is torch.Tensor and torch.equal(e.host, src)
     assert torch.equal(cpu.host, cpu.source)
     assert sum(1 for x in log if x[0] == "copy") == 3  # the CPU extent is a plain copy, outside any stream
+    # one side stream for the device, not one per storage (torch's pool has 32 of them)
+    assert len({x[1] for x in log if x[0] == "copy"}) == 1
+    # every device copy issued under its device's guard: a writer thread whose current device
+    # is another must not set that one back (a CUDA context on it) when the stream context ends
+    assert _FakeCudaTensor.guarded == ["cuda:0", "cuda:0", "cuda:0"]
+
+
+def test_copy_to_host_synchronises_its_copies_when_one_fails(fake_cuda, monkeypatch):
+    """A pinned allocation that fails part-way: the copies already issued are waited for
+    before the error leaves (their buffers are about to be dropped or reused)."""
+    log, pinned = fake_cuda
+    exts = [_fake_device_extent(n, v) for n, v in ((4096, 1), (5000, 2))]
+    real_empty = torch.empty
+    calls = []
+
+    def failing_empty(*size, **kw):
+        calls.append(size)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: out of memory (pinned)")
+        return real_empty(*size, **kw)
+
+    monkeypatch.setattr(torch, "empty", failing_empty)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        fp_core.writer.copy_to_host([e for e, _ in exts])
+    copy_at = next(i for i, e in enumerate(log) if e[0] == "copy")
+    assert ("sync", log[copy_at][1]) in log[copy_at + 1:], log
 
 
 def test_copy_to_host_into_an_arena_allocates_nothing(fake_cuda):
