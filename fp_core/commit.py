@@ -34,6 +34,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from . import deferred_free
+
 log = logging.getLogger("fastpersist")
 
 TMP_SUFFIX = ".fptmp"
@@ -148,9 +150,25 @@ def link_fd(fd: int, name: str) -> None:
 
 
 def publish(tmp: str, final: str) -> None:
-    """Rename the finished temp file over ``final`` and make the rename durable."""
-    os.replace(tmp, final)
-    fsync_dir(os.path.dirname(os.path.abspath(final)))
+    """Rename the finished temp file over ``final`` and make the rename durable. The file
+    it replaces is freed in the background (:mod:`fp_core.deferred_free`)."""
+    with deferred_free.pinned(final):
+        os.replace(tmp, final)
+        fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def remove(path: str) -> None:
+    """Remove a checkpoint file, link or directory (silent if missing), as
+    ``TorchCheckpointIO.remove_checkpoint``; its large files' blocks are freed in the
+    background (:mod:`fp_core.deferred_free`)."""
+    try:
+        with deferred_free.pinned(path):
+            if os.path.islink(path) or os.path.isfile(path):
+                os.remove(path)
+            elif os.path.isdir(path):
+                shutil.rmtree(path)
+    except FileNotFoundError:
+        pass
 
 
 def discard(tmp: str) -> None:
@@ -207,6 +225,7 @@ class TempFile:
         """``named``: a named file even where unnamed ones work (other processes open it by
         name: a collective save's ranks)."""
         self.final = final
+        deferred_free.make_room(os.path.dirname(final))
         self.unnamed = not named and tmpfile_supported(os.path.dirname(final))
         for _ in range(8):
             self.name = temp_path(final)
@@ -496,7 +515,8 @@ def retire_dirs(paths: list[str]) -> None:
     for parent in {os.path.dirname(g) for g in gone}:
         fsync_dir(parent)
     for g in gone:
-        shutil.rmtree(g, ignore_errors=True)
+        with deferred_free.pinned(g):  # its large files freed in the background
+            shutil.rmtree(g, ignore_errors=True)
 
 
 def recover_dir(final: str) -> None:

@@ -114,7 +114,6 @@ import functools
 import logging
 import os
 import re
-import shutil
 import sys
 import threading
 import time
@@ -146,14 +145,9 @@ _PEER_PATH = "fastpersist-peer-rank.ckpt"
 
 
 def _remove_path(path: str) -> None:
-    """Like ``TorchCheckpointIO.remove_checkpoint``: remove a file, link or directory; silent if missing."""
-    try:
-        if os.path.islink(path) or os.path.isfile(path):
-            os.remove(path)
-        elif os.path.isdir(path):
-            shutil.rmtree(path)
-    except FileNotFoundError:
-        pass
+    """Like ``TorchCheckpointIO.remove_checkpoint``: remove a file, link or directory; silent
+    if missing (large files' blocks freed in the background: ``fp_core.commit.remove``)."""
+    fp_commit.remove(path)
 
 
 def _copy_sharded_state(obj: Any) -> Any:

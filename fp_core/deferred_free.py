@@ -1,0 +1,229 @@
+"""Freeing the blocks of a replaced or deleted checkpoint off the caller's path.
+
+A file's blocks are freed when the last reference to its inode goes, and on ext4 or xfs
+that takes time in proportion to the file's size (more on a filesystem mounted with
+``discard``, as cloud VMs' disks often are; benchmarks/README.md): the rename that
+replaces a checkpoint, or the unlink that deletes one, blocks the caller meanwhile, as
+``torch.save``'s ``O_TRUNC`` does. Here the old file is first opened with ``O_PATH`` (no
+read permission needed, nothing read), its name goes as before (the rename stays the
+commit point: its atomicity and durability do not change), and a background thread
+closes the descriptor, which frees the blocks.
+
+What this changes for the disk's space: the old file's blocks stay taken until that
+thread has closed it. :func:`make_room`, called before a save creates its file, waits
+for releases pending on the same filesystem when its free space is short of what they
+hold (the next checkpoint is about the size of the one it replaced). A forked child
+(DataLoader workers) closes its inherited copies at once, so it never holds a replaced
+file for its lifetime. Beyond :data:`MAX_PENDING` queued releases the caller frees
+inline, as without this module.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import stat
+import threading
+from collections.abc import Iterator
+
+log = logging.getLogger("fastpersist")
+
+MIN_BYTES = 8 << 20  # smaller files free quickly: not worth a descriptor
+MAX_FILES = 256  # descriptors one pin may take (a checkpoint directory's large files)
+MAX_PENDING = 4  # pins queued for the thread; one more is freed by its caller
+ROOM_MARGIN = 64 << 20  # free space kept beyond the estimate of the next checkpoint
+
+
+class Pinned:
+    """Large regular files kept (their inodes, through O_PATH descriptors) while their
+    names are removed; :meth:`free_later` hands them to the background thread."""
+
+    __slots__ = ("files",)
+
+    def __init__(self) -> None:
+        self.files: list[tuple[int, int, int]] = []  # (fd, st_dev, allocated bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f[2] for f in self.files)
+
+    def free_later(self) -> None:
+        """Let the blocks go once the names are gone (also right after a failed rename:
+        a file still named frees nothing on close)."""
+        files, self.files = self.files, []
+        if files:
+            _releaser.submit(files)
+
+
+def pin(path: str) -> Pinned:
+    """Pin ``path`` (a file, or every large file under a directory, links not followed)
+    before its name is replaced or removed. Anything that cannot be pinned (missing,
+    unreadable, a link, small, with other hard links) is left out: its removal costs the
+    caller what it did before."""
+    p = Pinned()
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return p
+    if stat.S_ISREG(st.st_mode):
+        _pin_file(p, path)
+    elif stat.S_ISDIR(st.st_mode):
+        for root, _dirs, names in os.walk(path):  # os.walk does not follow links to directories
+            for name in names:
+                if len(p.files) >= MAX_FILES:
+                    return p
+                _pin_file(p, os.path.join(root, name))
+    return p
+
+
+@contextlib.contextmanager
+def pinned(path: str) -> Iterator[Pinned]:
+    """``with pinned(final): os.replace(tmp, final)``: the replaced file freed in the background."""
+    p = pin(path)
+    try:
+        yield p
+    finally:
+        p.free_later()
+
+
+def _pin_file(p: Pinned, path: str) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        return
+    size = st.st_blocks * 512
+    # A link's other names keep its blocks anyway; a symlink (O_NOFOLLOW opens the link) has none.
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or size < MIN_BYTES:
+        os.close(fd)
+        return
+    p.files.append((fd, st.st_dev, size))
+
+
+def _close_all(files: list[tuple[int, int, int]]) -> None:
+    for fd, _, _ in files:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class _Releaser:
+    """One daemon thread closing pinned descriptors in the order they came."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._queue: collections.deque[list[tuple[int, int, int]]] = collections.deque()
+        self._thread: threading.Thread | None = None
+        self._paused = 0
+
+    def submit(self, files: list[tuple[int, int, int]]) -> None:
+        with self._cv:
+            if len(self._queue) < MAX_PENDING and self._started_locked():
+                self._queue.append(files)
+                self._cv.notify_all()
+                return
+        _close_all(files)  # queue full (or no thread): the caller frees, as without this module
+
+    def _started_locked(self) -> bool:
+        if self._thread is not None:
+            return True
+        try:
+            t = threading.Thread(target=self._run, name="fastpersist-free", daemon=True)
+            t.start()
+        except RuntimeError:  # interpreter shutting down, or no threads left
+            return False
+        self._thread = t
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue or self._paused:
+                    self._cv.wait()
+                files = self._queue[0]
+            _close_all(files)
+            with self._cv:
+                self._queue.popleft()
+                self._cv.notify_all()
+
+    def pending(self, dev: int | None = None) -> list[int]:
+        """The bytes of each queued pin holding files on ``dev`` (any device: None)."""
+        with self._cv:
+            return [sum(s for _, d, s in files if dev is None or d == dev) for files in self._queue
+                    if any(dev is None or d == dev for _, d, _s in files)]
+
+    def wait(self, dev: int | None = None) -> None:
+        with self._cv:
+            while any(dev is None or d == dev for files in self._queue for _, d, _s in files):
+                self._cv.wait()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        with self._cv:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._paused -= 1
+                self._cv.notify_all()
+
+    def after_fork_in_child(self) -> None:
+        # The thread did not come along; the descriptors did: a child must not keep the
+        # parent's replaced files alive for its whole life.
+        for files in self._queue:
+            _close_all(files)
+        self.__init__()  # type: ignore[misc]
+
+
+_releaser = _Releaser()
+os.register_at_fork(after_in_child=_releaser.after_fork_in_child)
+
+
+def wait(dev: int | None = None) -> None:
+    """Block until every pin handed over (on the filesystem ``dev``, or all) is freed."""
+    _releaser.wait(dev)
+
+
+def pending_bytes(dev: int | None = None) -> int:
+    """Bytes still pinned by queued releases (on ``dev``, or on all filesystems)."""
+    return sum(_releaser.pending(dev))
+
+
+def paused() -> contextlib.AbstractContextManager[None]:
+    """While entered, the thread frees nothing (tests look at a pending release with it)."""
+    return _releaser.paused()
+
+
+def must_wait(free: int, pending: list[int]) -> bool:
+    """Whether a save should wait for the ``pending`` releases before it takes space, with
+    ``free`` bytes available: when the next checkpoint, taken to be as large as the largest
+    file being freed, would not fit beside them with a margin."""
+    return bool(pending) and free < max(pending) + max(pending) // 16 + ROOM_MARGIN
+
+
+def make_room(directory: str) -> None:
+    """Before a save takes space in ``directory``: wait for the releases pending on its
+    filesystem if its free space is short (see :func:`must_wait`)."""
+    if not _releaser._queue:  # nothing pending: no system calls on the common path
+        return
+    try:
+        dev = os.stat(directory).st_dev
+        vfs = os.statvfs(directory)
+    except OSError:
+        return  # the save itself reports what is wrong with the directory
+    pending = _releaser.pending(dev)
+    if must_wait(vfs.f_bavail * vfs.f_frsize, pending):
+        log.info("fastpersist: waiting for %d MiB of replaced checkpoints to be freed in %s",
+                 sum(pending) >> 20, directory)
+        _releaser.wait(dev)
+
+
+__all__ = ["Pinned", "pin", "pinned", "wait", "pending_bytes", "paused", "must_wait", "make_room"]
