@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 
 def test_lightning_fsdp_sharded_checkpoints_through_fastpersist(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(HELPERS, "lightning_fsdp_gpu.py"), str(tmp_path)],
-                       capture_output=True, text=True, timeout=240)
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads((tmp_path / "result.json").read_text())
     assert "last.ckpt" in res["listing"] and len(res["listing"]) == 3  # step 2, step 4, last
@@ -61,7 +61,7 @@ def test_a_snapshot_of_device_dtensors_is_written_from_the_host_copy(tmp_path):
     port = free_port()
     repo = os.path.dirname(os.path.dirname(HELPERS))
     p = subprocess.run([sys.executable, "-c", _SNAPSHOT_SCRIPT, str(tmp_path), repo, port],
-                       capture_output=True, text=True, timeout=180)
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["equal"] is True
@@ -75,7 +75,7 @@ def test_hf_trainer_fsdp2_on_the_gpu_through_fastpersist(tmp_path):
     port = free_port()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", port,
                         os.path.join(HELPERS, "hf_fsdp2.py"), str(tmp_path), "cuda"],
-                       capture_output=True, text=True, timeout=240)
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads((tmp_path / "result.json").read_text())
     assert "pytorch_model_fsdp_0" in res["files"] and "optimizer_0" in res["files"]
