@@ -35,6 +35,7 @@ from .plan import FilePlan, StorageExtent, align_up
 from .sharded import dtensor_type, map_containers, sharded_tensor_type
 from .skeleton import SparseFile
 from .stats import SaveStats
+from .writer import device_work_after_save
 
 _ALIGN = 4096
 
@@ -141,7 +142,10 @@ class DcpSave:
         writer = FastPersistWriter(self.final, extra_files=self.extra_files, on_written=on_body_written,
                                    fail_with=self.error, **dataclasses.asdict(self.options))
         try:
-            dcp.save(state, storage_writer=writer, process_group=self.cg)
+            # the writer's copies of device shards: after the caller's stream at save(), not
+            # behind the training's next kernels on this thread's default stream
+            with device_work_after_save(self.plan.storages if self.plan is not None else []):
+                dcp.save(state, storage_writer=writer, process_group=self.cg)
         except CheckpointException as e:
             if dist.get_rank(self.cg) == 0:  # every rank is past its writes: DCP's last exchange failed
                 shutil.rmtree(staging_path(self.final), ignore_errors=True)

@@ -42,7 +42,7 @@ from .partition import select_writers, split_range
 from .plan import FilePlan, StorageExtent, build
 from .skeleton import SparseFile
 from .stats import SaveStats
-from .writer import PieceCrc, RangeStats, write_range, write_tail
+from .writer import PieceCrc, RangeStats, device_work_after_save, write_range, write_tail
 
 log = logging.getLogger("fastpersist")
 
@@ -216,6 +216,12 @@ class CollectiveSave:
         """Nothing to undo before ``run``: the temp file is created inside it."""
 
     def run(self, on_body_written: Any = None) -> SaveStats:
+        # samples, gathers and copies of device storages on the background writer: after
+        # the caller's stream at save(), not behind the training's next kernels
+        with device_work_after_save(self.plan.storages if self.plan is not None else []):
+            return self._run(on_body_written)
+
+    def _run(self, on_body_written: Any) -> SaveStats:
         cg, final, opts, plan = self.cg, self.final, self.opts, self.plan
         rank, world = dist.get_rank(cg), dist.get_world_size(cg)
         stats = self.stats

@@ -7,9 +7,11 @@ tail checksum in the zip comment.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +79,36 @@ def mark_ready(extents: list[StorageExtent]) -> None:
             ev.record(torch.cuda.current_stream(dev))
             events[dev] = ev
         s.ready = events[dev]
+
+
+@contextlib.contextmanager
+def device_work_after_save(extents: list[StorageExtent]) -> Iterator[None]:
+    """Run the block's device work (clones, gathers, copies issued on this thread: a
+    sharded or collective save on the background writer) on a side stream per device that
+    first waits for the point :func:`mark_ready` recorded at ``save()``: ordered after the
+    caller's work of then, as :func:`copy_to_host` orders its copies, and not queued on this
+    thread's default stream, behind the kernels the training issues meanwhile. Extents
+    without a ready point (saves made on the caller's thread) change nothing."""
+    events: dict[torch.device, Any] = {}
+    for s in extents:
+        if s.ready is not None:
+            events.setdefault(s.source.device, s.ready)
+    if not events:
+        yield
+        return
+    sides = []
+    with contextlib.ExitStack() as stack:
+        for dev, ev in events.items():
+            stack.enter_context(torch.cuda.device(dev))  # see copy_to_host: no context on another GPU
+            side = torch.cuda.Stream(dev)
+            side.wait_event(ev)
+            stack.enter_context(torch.cuda.stream(side))
+            sides.append(side)
+        try:
+            yield
+        finally:
+            for side in sides:  # what the block left queued is done before its memory is let go
+                side.synchronize()
 
 
 def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None = None) -> None:

@@ -670,3 +670,28 @@ def test_dtype_matrix_covers_every_byte_sized_dtype():
             "complex64"} <= names
     if hasattr(torch, "float8_e4m3fn"):
         assert {"float8_e4m3fn", "float8_e5m2"} <= names
+
+
+def test_device_work_after_save_runs_on_a_side_stream_ordered_after_the_callers(fake_cuda):
+    """A sharded or collective save's device work on the background writer (clones,
+    gathers, copies): on a side stream that waited for the caller's stream as it was at
+    save(), under the device's guard, synchronised when the block ends."""
+    log, _ = fake_cuda
+    ext, _ = _fake_device_extent(4096, 1)
+    with torch.cuda.stream(_FakeStream(name="caller_side")):
+        fp_core.writer.mark_ready([ext])  # at save(), on the caller's thread
+    _FakeCudaTensor.streams = _Streams()  # the writer thread: its current stream is the default
+    with fp_core.writer.device_work_after_save([ext]):
+        inside = torch.cuda.current_stream().name
+        assert _FakeCudaTensor.devices == ["cuda:0"]
+        ext.source.clone().copy_(ext.source)  # device work issued in the block
+    assert inside not in ("default", "caller_side")
+    assert ("wait", inside, "caller_side") in log
+    assert log.index(("wait", inside, "caller_side")) < next(i for i, e in enumerate(log) if e[0] == "copy")
+    assert log[-1] == ("sync", inside) and torch.cuda.current_stream().name == "default"
+    # extents without a ready point (a save made on the caller's thread): nothing entered
+    n = len(log)
+    ext.ready = None
+    with fp_core.writer.device_work_after_save([ext]):
+        assert torch.cuda.current_stream().name == "default"
+    assert len(log) == n
