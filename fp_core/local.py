@@ -5,12 +5,14 @@ caller's thread, then run (written, synced, committed) on any thread. The synchr
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import time
 from collections.abc import Callable
 from typing import Any
 
-from . import commit
+from . import commit, deferred_free
 from . import early_write as early_writes
 from .engine import EngineOptions, open_engine
 from .errors import CheckpointSerializationError
@@ -19,6 +21,8 @@ from .plan import FilePlan, build
 from .safetensors_plan import build_safetensors
 from .stats import SaveStats
 from .writer import write_single
+
+log = logging.getLogger("fastpersist")
 
 MIN_ALIGNMENT = 4096
 FORMATS = ("torch", "safetensors")
@@ -98,8 +102,7 @@ class LocalSave:
             raise self._failed
         try:
             with self.engine:
-                rs = write_single(self.engine, self.plan, self.options, on_body_written, early=self._early)
-                self._early = None  # written, its thread out of the file
+                rs = self._write(on_body_written)
                 t_sync = time.perf_counter()
                 self.engine.sync()
             if self._failed is not None:  # failed meanwhile (by the fence, on another thread)
@@ -121,6 +124,49 @@ class LocalSave:
         st.extra["zero_copy_bytes"] = rs.zero_copy_bytes
         st.seconds = time.perf_counter() - self._t0
         return st
+
+    def _write(self, on_body_written: Callable[[], None] | None) -> Any:
+        """write_single, once more where a first attempt failed for a cause that has passed
+        and the bytes it read are still the ones to save (see :meth:`_worth_rewriting`)."""
+        released = False
+
+        def body_written() -> None:
+            nonlocal released
+            released = True
+            if on_body_written is not None:
+                on_body_written()
+
+        try:
+            return write_single(self.engine, self.plan, self.options, body_written, early=self._early)
+        except OSError as e:
+            self._early = None  # its thread is out of the file (write_single waited for it)
+            why = None if released else self._worth_rewriting(e)
+            if why is None:
+                raise
+            log.warning("fastpersist: %s; writing %s again", why, self.final)
+            return write_single(self.engine, self.plan, self.options, body_written)
+        finally:
+            self._early = None
+
+    def _worth_rewriting(self, e: OSError) -> str | None:
+        """Why a failed write may be retried in the same temporary file, or None. Only a
+        save whose sources have not been let go (before ``on_body_written``) and that has no
+        fence cut (whose batches are claimed once) is written again, whole."""
+        if self.plan.cut is not None:
+            return None
+        if e.errno == errno.ETIMEDOUT and self.engine.ring_stalled:
+            return "io_uring stopped answering (FASTPERSIST_URING_STALL_S); the pwrite pool writes the file"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            try:
+                dev = os.fstat(self.temp.fileno()).st_dev
+            except (OSError, ValueError):
+                return None
+            pending = deferred_free.pending_bytes(dev)
+            if pending:
+                deferred_free.wait(dev)
+                return (f"the disk was full while {pending >> 20} MiB of replaced checkpoints were still "
+                        "being freed (now freed)")
+        return None
 
     def publish(self) -> None:
         self.temp.publish()

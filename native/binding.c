@@ -418,6 +418,9 @@ static PyMemberDef Engine_members[] = {
      "'io_uring', 'threadpool' or 'buffered'"},
     {"backend_reason", T_OBJECT_EX, offsetof(EngineObject, reason), READONLY,
      "why the first choice of backend was not used ('' when it was)"},
+    {"ring_stalled", T_INT, offsetof(EngineObject, ring_reported), READONLY,
+     "1 once a write's io_uring requests got no completion within FASTPERSIST_URING_STALL_S "
+     "(later writes go through the pwrite pool)"},
     {"alignment", T_LONGLONG, offsetof(EngineObject, eng.alignment), READONLY, "O_DIRECT offset/length alignment"},
     {"mem_alignment", T_LONGLONG, offsetof(EngineObject, eng.mem_alignment), READONLY, "staging buffer alignment"},
     {"queue_depth", T_INT, offsetof(EngineObject, eng.queue_depth), READONLY, NULL},

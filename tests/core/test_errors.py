@@ -131,24 +131,29 @@ def test_injected_eio(disk_dir, fault, backend, after):
     _assert_old_intact(path, old)
 
 
-def test_a_write_that_never_completes_is_an_error_not_a_hang(disk_dir, fault, monkeypatch):
+@pytest.mark.parametrize("size", [2 * MiB, 48 * MiB])  # 48 MiB: the stall hits the early write
+def test_a_write_that_never_completes_is_written_again_not_a_hang(disk_dir, fault, monkeypatch, caplog, size):
+    """An io_uring write whose completion never comes (seen once in Lightning's suite): after
+    FASTPERSIST_URING_STALL_S the engine gives up on its ring and the save writes the file
+    again through the pwrite pool, in the same temporary file, and succeeds."""
     monkeypatch.setenv("FASTPERSIST_URING_STALL_S", "0.5")
     with fp_core._native.Engine(os.path.join(disk_dir, "probe.bin"), backend="io_uring") as eng:
         if eng.backend != "io_uring":
             pytest.skip(f"no io_uring here: {eng.backend_reason}")
     os.unlink(os.path.join(disk_dir, "probe.bin"))
     path = os.path.join(disk_dir, "ckpt.pt")
-    old = _old_checkpoint(path)
+    _old_checkpoint(path)
     fault("lose_completion")
-    with pytest.raises(OSError) as ei:
-        fp_core.save({"big": torch.ones(2 * MiB)}, path, backend="io_uring")
-    if ei.value.errno != errno.ETIMEDOUT:
-        raise ei.value
-    assert path in str(ei.value)
-    _assert_old_intact(path, old)
-    new = {"new": torch.arange(10)}
-    fp_core.save(new, path)  # a new engine, io_uring again
+    new = {"big": torch.arange(size // 4, dtype=torch.float32), "tag": "new"}
+    with caplog.at_level("WARNING", logger="fastpersist"):
+        st = fp_core.save(new, path, backend="io_uring")
+    assert "stopped answering" in caplog.text and path in caplog.text
+    assert st.backend == "threadpool"
     assert_identical(new, fp_core.load(path, verify=True))
+    assert_no_temps(disk_dir)
+    newer = {"new": torch.arange(10)}
+    fp_core.save(newer, path)  # a new engine, io_uring again
+    assert_identical(newer, fp_core.load(path, verify=True))
 
 
 def test_unknown_options_and_format(disk_dir):
