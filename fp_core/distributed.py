@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _native, commit
+from . import _native, commit, deferred_free
 from .engine import EngineOptions, open_engine
 from .errors import CheckpointError, CheckpointSerializationError
 from .local import MIN_ALIGNMENT, LocalSave, rename_os_error
@@ -420,7 +420,7 @@ def save_sharded(obj: Any, path: str | os.PathLike, group: Any = None, *, option
     # fails makes every rank put its previous file back (or remove the new one).
     final = prepared.final
     new_inode = os.fstat(prepared.temp.fileno()).st_ino
-    previous, held = None, None
+    previous, held, aside = None, None, None
     status, own_error = (True, ""), None
     try:
         if os.path.lexists(final):
@@ -444,9 +444,12 @@ def save_sharded(obj: Any, path: str | os.PathLike, group: Any = None, *, option
             raise CollectiveSaveError(f"sharded save of {os.fspath(path)} not committed (previous files kept): "
                                       f"{'; '.join(failed)}")
         if previous is not None and os.path.lexists(previous):
+            aside = deferred_free.pin(previous)  # its blocks freed in the background
             commit.discard(previous)
     finally:
         commit.settle(held)
+        if aside is not None:
+            aside.free_later()
     return stats
 
 

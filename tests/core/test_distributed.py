@@ -123,6 +123,17 @@ def test_sharded_per_rank_files(ddir):
         assert torch.equal(torch.load(os.path.join(ddir, f"shard{r}.pt"))["shard"], torch.full((1000,), float(r)))
 
 
+def test_sharded_save_over_existing_files_frees_the_previous_ones_in_the_background(ddir):
+    results = run_ranks("sharded_replace", 2, ddir)
+    assert all(r["ok"] for r in results), results
+    for r in results:
+        assert r["pinned"] == 1 and r["pending"] >= 16 << 20, r  # the previous shard, aside and unlinked
+        assert r["pending_after"] == 0 and r["live_after"] == 0, r
+    for r in range(2):
+        assert torch.equal(torch.load(os.path.join(ddir, f"shard{r}.pt"))["shard"], torch.full((4 << 20,), 2.0))
+    assert _no_temp_files(ddir) == []
+
+
 def _no_temp_files(d):
     return [n for n in os.listdir(d) if n.endswith(".fptmp")]
 

@@ -65,6 +65,21 @@ def main() -> None:
             st = fp_core.save({"shard": torch.full((1000,), float(rank))}, os.path.join(d, f"shard{rank}.pt"),
                               group=dist.group.WORLD, sharded=True)
             result.update(bytes=st.bytes)
+        elif scenario == "sharded_replace":
+            # generation 2 over generation 1 (16 MiB shards): the previous shard, kept aside
+            # during the publish, is freed by deferred_free's thread, not inline
+            from fp_core import deferred_free
+
+            shard = os.path.join(d, f"shard{rank}.pt")
+            fp_core.save({"shard": torch.full((4 << 20,), 1.0)}, shard, group=dist.group.WORLD, sharded=True)
+            with deferred_free.paused():
+                fp_core.save({"shard": torch.full((4 << 20,), 2.0)}, shard, group=dist.group.WORLD, sharded=True)
+                held = [n for n in os.listdir("/proc/self/fd")
+                        if os.path.exists(f"/proc/self/fd/{n}")
+                        and os.readlink(f"/proc/self/fd/{n}").endswith(".fptmp (deleted)")]
+                result.update(pinned=len(held), pending=deferred_free.pending_bytes())
+            deferred_free.wait()
+            result.update(pending_after=deferred_free.pending_bytes(), live_after=deferred_free.live_count())
         elif scenario == "sharded_fail":
             if rank == 1:
                 _native.inject_fault("write", errno=5)
