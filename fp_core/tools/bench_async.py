@@ -133,14 +133,31 @@ def checkpoint_bytes(width: int, layers: int, dtype: torch.dtype) -> int:
 
 def max_batch_for(tr: Trainer, fraction: float = 0.5) -> int | None:
     """The largest batch whose activations (about six width-sized rows per layer and sample:
-    outputs, ReLU outputs and their gradients) fit ``fraction`` of the free device memory;
-    None on the CPU."""
-    if tr.device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(tr.device)
+    outputs, ReLU outputs and their gradients) fit ``fraction`` of the free device memory
+    (on the CPU: a quarter of MemAvailable, the checkpoints' copies need the rest); None
+    where that cannot be read."""
+    if tr.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(tr.device)
+    else:
+        free = available_memory()
+        if free is None:
+            return None
+        fraction = min(fraction, 0.25)
     width, layers = tr.model[0].in_features, len(tr.model) // 2
     per_sample = 6 * layers * width * tr.x.element_size()
     return max(1, int(free * fraction) // per_sample)
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def calibrate_batch(tr: Trainer, target_ms: float, tolerance: float = 0.05, tries: int = 4,
@@ -163,8 +180,14 @@ def calibrate_batch(tr: Trainer, target_ms: float, tolerance: float = 0.05, trie
         return min(ts) * 1e3
 
     def fit(p: tuple[int, float], q: tuple[int, float]) -> int:
-        per = max((q[1] - p[1]) / (q[0] - p[0]), 1e-3) if q[0] != p[0] else 1e-3
-        guess = max(1, int(round(p[0] + (target_ms - p[1]) / per)))
+        per = (q[1] - p[1]) / (q[0] - p[0]) if q[0] != p[0] else 0.0
+        if per <= 0:
+            # no slope measured (noise, a pause of the VM while one was timed): step from
+            # what was measured, never extrapolate (a floored slope asked for millions)
+            below = [b for b, t in (p, q) if t < target_ms]
+            guess = 4 * max(below) if below else max(1, min(p[0], q[0]) // 2)
+        else:
+            guess = max(1, int(round(p[0] + (target_ms - p[1]) / per)))
         return min(guess, max_batch) if max_batch else guess
 
     small, large = start
@@ -451,7 +474,7 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     elif device.type == "cuda":  # 8 and 64 only time kernel launches on a GPU
         batch = calibrate_batch(tr, args.compute_ms, start=(64, 1024), max_batch=max_batch_for(tr))
     else:
-        batch = calibrate_batch(tr, args.compute_ms)
+        batch = calibrate_batch(tr, args.compute_ms, max_batch=max_batch_for(tr))
     tr.set_batch(batch)
     tr.step()  # Adam state exists from here on
     nbytes = payload_bytes(tr.state())

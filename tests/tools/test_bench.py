@@ -333,3 +333,43 @@ def test_examples_take_a_device(script, flags):
                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-2000:]
     assert all(f in out.stdout for f in flags), out.stdout
+
+
+def test_calibration_never_extrapolates_from_a_flat_or_falling_pair(monkeypatch):
+    """A VM pause made the small batch's step slower than the larger one's: the slope was
+    floored and the fit asked for a batch of millions (24 GB of activations: the async bench
+    was OOM-killed). Now it steps on from what it measured and still lands on the target."""
+    import fp_core.tools.bench_async as ba
+
+    seen: list[int] = []
+
+    def cost_ms(b: int) -> float:
+        return 5 + 0.5 * b
+
+    class Fake:
+        now = 0.0
+        paused = True  # while the first batch is timed
+
+        def set_batch(self, b: int) -> None:
+            if b != 8:
+                Fake.paused = False
+            self.b = b
+            seen.append(b)
+
+        def step(self) -> None:
+            Fake.now += (cost_ms(self.b) + (1000 if Fake.paused else 0)) / 1e3
+
+    monkeypatch.setattr(ba.time, "perf_counter", lambda: Fake.now)
+    batch = ba.calibrate_batch(Fake(), 2000.0, tries=6)  # type: ignore[arg-type]
+    assert max(seen) <= 4 * 1024, seen
+    assert abs(cost_ms(batch) - 2000.0) <= 0.05 * 2000.0, (batch, seen)
+
+
+def test_cpu_calibration_is_capped_by_available_memory():
+    import fp_core.tools.bench_async as ba
+
+    tr = ba.Trainer(256, 2, 8)
+    cap = ba.max_batch_for(tr)
+    avail = ba.available_memory()
+    assert avail is not None and cap is not None
+    assert cap * 6 * 2 * 256 * 4 <= avail // 4 + 6 * 2 * 256 * 4
