@@ -127,7 +127,7 @@ class LocalSave:
 
     def _write(self, on_body_written: Callable[[], None] | None) -> Any:
         """write_single, once more where a first attempt failed for a cause that has passed
-        and the bytes it read are still the ones to save (see :meth:`_worth_rewriting`)."""
+        and the bytes it read are still the ones to save (see :meth:`_rewrite_reason`)."""
         released = False
 
         def body_written() -> None:
@@ -140,7 +140,7 @@ class LocalSave:
             return write_single(self.engine, self.plan, self.options, body_written, early=self._early)
         except OSError as e:
             self._early = None  # its thread is out of the file (write_single waited for it)
-            why = None if released else self._worth_rewriting(e)
+            why = None if released else self._rewrite_reason(e)
             if why is None:
                 raise
             log.warning("fastpersist: %s; writing %s again", why, self.final)
@@ -148,10 +148,11 @@ class LocalSave:
         finally:
             self._early = None
 
-    def _worth_rewriting(self, e: OSError) -> str | None:
-        """Why a failed write may be retried in the same temporary file, or None. Only a
+    def _rewrite_reason(self, e: OSError) -> str | None:
+        """Why a failed write may be retried, whole, in the same temporary file (its cause
+        gone: a full disk first waits here for the frees pending on it), or None. Only a
         save whose sources have not been let go (before ``on_body_written``) and that has no
-        fence cut (whose batches are claimed once) is written again, whole."""
+        fence cut (whose batches are claimed once) is written again."""
         if self.plan.cut is not None:
             return None
         if e.errno == errno.ETIMEDOUT and self.engine.ring_stalled:
