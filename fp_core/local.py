@@ -155,7 +155,9 @@ class LocalSave:
         fence cut (whose batches are claimed once) is written again."""
         if self.plan.cut is not None:
             return None
-        if e.errno == errno.ETIMEDOUT and self.engine.ring_stalled:
+        if e.errno == errno.ETIMEDOUT and self.engine.ring_stalled == 1:
+            # (2: a request given up on writes from the caller's memory: should it complete
+            # later, it would put what that memory holds then into this file; not committed)
             return "io_uring stopped answering (FASTPERSIST_URING_STALL_S); the pwrite pool writes the file"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             try:

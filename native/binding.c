@@ -91,7 +91,7 @@ typedef struct {
     PyObject *path;
     PyObject *backend_str;
     PyObject *reason;
-    int ring_reported; /* backend_str already says the broken ring's writes went to the pool */
+    int ring_reported; /* 0; 1 or 2 (see ring_stalled) once backend_str says the pool writes */
 } EngineObject;
 
 static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw)
@@ -173,7 +173,7 @@ static int sync_backend(EngineObject *self)
 {
     if (self->eng.backend != FP_BK_IO_URING || !self->eng.ring.broken || self->ring_reported)
         return 0;
-    self->ring_reported = 1;
+    self->ring_reported = self->eng.ring.stalled_direct ? 2 : 1;
     Py_XSETREF(self->backend_str, PyUnicode_FromString(fp_backend_name(FP_BK_THREADPOOL)));
     Py_XSETREF(self->reason, PyUnicode_FromString("io_uring stopped answering (a write got no completion "
                                                   "within FASTPERSIST_URING_STALL_S): later writes use the pwrite pool"));
@@ -419,8 +419,10 @@ static PyMemberDef Engine_members[] = {
     {"backend_reason", T_OBJECT_EX, offsetof(EngineObject, reason), READONLY,
      "why the first choice of backend was not used ('' when it was)"},
     {"ring_stalled", T_INT, offsetof(EngineObject, ring_reported), READONLY,
-     "1 once a write's io_uring requests got no completion within FASTPERSIST_URING_STALL_S "
-     "(later writes go through the pwrite pool)"},
+     "0; 1 once a write's io_uring requests got no completion within FASTPERSIST_URING_STALL_S "
+     "(later writes go through the pwrite pool); 2 when one given up on was writing straight "
+     "from the caller's memory (zero-copy): should it complete later it writes what that "
+     "memory holds then, so this file must not be committed"},
     {"alignment", T_LONGLONG, offsetof(EngineObject, eng.alignment), READONLY, "O_DIRECT offset/length alignment"},
     {"mem_alignment", T_LONGLONG, offsetof(EngineObject, eng.mem_alignment), READONLY, "staging buffer alignment"},
     {"queue_depth", T_INT, offsetof(EngineObject, eng.queue_depth), READONLY, NULL},

@@ -21,6 +21,7 @@ static int fault_odirect_errno;  /* O_DIRECT open */
 static int fault_read_errno;     /* one-shot */
 static ll fault_read_after;
 static int fault_lose_completion; /* one-shot */
+static ll fault_lose_after;
 
 static void fault_update_any(void)
 {
@@ -59,13 +60,14 @@ int fp_fault_read(ll off, ll len) { return fault_check_range(&fault_read_errno, 
 int fp_fault_io_uring_setup(void) { return fault_get(&fault_setup_errno); }
 int fp_fault_o_direct(void) { return fault_get(&fault_odirect_errno); }
 
-int fp_fault_lose_completion(void)
+int fp_fault_lose_completion(ll off)
 {
     if (!__atomic_load_n(&fault_any, __ATOMIC_ACQUIRE))
         return 0;
     pthread_mutex_lock(&fault_mu);
-    int lose = fault_lose_completion;
-    fault_lose_completion = 0;
+    int lose = fault_lose_completion && off >= fault_lose_after;
+    if (lose)
+        fault_lose_completion = 0;
     fault_update_any();
     pthread_mutex_unlock(&fault_mu);
     return lose;
@@ -101,6 +103,7 @@ int fp_inject_fault(const char *kind, int err, ll after)
         fault_odirect_errno = err > 0 ? err : EINVAL;
     } else if (!strcmp(kind, "lose_completion")) {
         fault_lose_completion = 1;
+        fault_lose_after = after;
     } else if (!strcmp(kind, "read")) {
         fault_read_errno = e;
         fault_read_after = after;

@@ -71,8 +71,9 @@ uint32_t fp_copy_crc_cached(void *dst, const void *src, size_t n, uint32_t crc, 
  *   "io_uring_setup" io_uring_setup fails with err
  *   "o_direct"       enabling O_DIRECT fails with err
  *   "read"           one-shot: the first read reaching past `after` bytes fails with err
- *   "lose_completion" one-shot: the io_uring owner ignores the next write completion, as if
- *                    the kernel never posted it (the stall watchdog's test)
+ *   "lose_completion" one-shot: the io_uring owner ignores the completion of the next write
+ *                    request at file offset `after` or beyond, as if the kernel never posted
+ *                    it (the stall watchdog's test)
  *   NULL             clear every fault
  * err 0 means the kind's default: EINVAL for "o_direct", EIO for the others.
  * Returns 0, or EINVAL for an unknown kind (nothing armed). */
@@ -83,7 +84,7 @@ int fp_fault_write(ll off, ll len);
 int fp_fault_read(ll off, ll len);
 int fp_fault_io_uring_setup(void);
 int fp_fault_o_direct(void);
-int fp_fault_lose_completion(void); /* 1 once when armed */
+int fp_fault_lose_completion(ll off); /* 1 once when armed, for the first request at off >= after */
 /* Length of a write request's first attempt: n, or under "short_write" about half of it
  * (rounded down to the alignment, at least one block). */
 ll fp_fault_first_len(ll n, ll align);
@@ -136,6 +137,7 @@ typedef struct {
     unsigned tail;     /* local SQ tail */
     unsigned features; /* IORING_FEAT_* of the kernel */
     int broken;        /* failed, or a request was lost: later writes use a pwrite pool */
+    int stalled_direct; /* a request given up on wrote from the caller's memory (zero-copy) */
 } fp_ring_t;
 
 /* A closed ring (safe to fp_ring_close). */

@@ -41,6 +41,7 @@ typedef struct {
     ll cur_len; /* length of the request in flight */
     int first;
     int fault_errno;
+    int in_ring; /* a request of it is submitted and not yet reaped */
 } slot_t;
 
 #define POLL_UD 0xFFFFFFFFFFFFFFFFull
@@ -71,6 +72,7 @@ typedef struct {
     double t_busy0, io_wait, copy_seconds;
     long requests, short_writes;
     int leak_slots; /* ring failed with I/O possibly in flight: never free buffers */
+    int stalled_direct; /* a request given up on was writing from the caller's memory */
 } job_t;
 
 static void job_fail_locked(job_t *j, int err)
@@ -277,6 +279,7 @@ static int uring_prep_write(job_t *j, int s)
     sqe->len = (uint32_t)n;
     sqe->off = (uint64_t)sl->off;
     sqe->user_data = (uint64_t)s + 1;
+    sl->in_ring = 1;
     j->requests++;
     return 0;
 }
@@ -378,11 +381,12 @@ static void uring_owner(job_t *j)
                 drain_efd(j->efd);
                 continue;
             }
-            if (fp_fault_lose_completion())
-                continue; /* test hook: as if this completion were never posted */
-            progress = fp_now();
             int s = (int)(ud - 1);
             slot_t *sl = &j->slots[s];
+            if (fp_fault_lose_completion(sl->off))
+                continue; /* test hook: as if this completion were never posted */
+            progress = fp_now();
+            sl->in_ring = 0;
             if (sl->fault_errno) {
                 res = -sl->fault_errno;
                 sl->fault_errno = 0;
@@ -430,7 +434,13 @@ static void uring_owner(job_t *j)
             progress = fp_now();
         else if (stall > 0 && fp_now() - progress > stall) {
             /* writes in flight and not one completion for that long: lost (or a device that
-             * no longer answers); the caller gets an error, not a hang */
+             * no longer answers); the caller gets an error, not a hang. Should a request
+             * given up on still complete, a staged one writes the bytes it had (its buffer
+             * is never reused); one writing from the caller's memory would write whatever is
+             * there by then, so the caller must not commit this file (stalled_direct). */
+            for (int i = 0; i < j->n_slots; i++)
+                if (j->slots[i].in_ring && j->items[j->slots[i].item].direct)
+                    j->stalled_direct = 1;
             pthread_mutex_lock(&j->mu);
             job_fail_locked(j, ETIMEDOUT);
             pthread_mutex_unlock(&j->mu);
@@ -440,6 +450,7 @@ static void uring_owner(job_t *j)
     }
     if (broken) {
         R->broken = 1; /* its requests may still complete: no later job may read its CQEs */
+        R->stalled_direct |= j->stalled_direct;
         j->leak_slots = inflight > 0;
         return;
     }

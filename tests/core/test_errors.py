@@ -7,6 +7,7 @@ import errno
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 from conftest import MiB, assert_identical, assert_no_temps
@@ -154,6 +155,28 @@ def test_a_write_that_never_completes_is_written_again_not_a_hang(disk_dir, faul
     newer = {"new": torch.arange(10)}
     fp_core.save(newer, path)  # a new engine, io_uring again
     assert_identical(newer, fp_core.load(path, verify=True))
+
+
+def test_a_stalled_write_from_the_tensors_own_memory_fails_the_save(disk_dir, fault, monkeypatch):
+    """A request given up on was writing straight from a tensor (zero-copy): should it
+    complete after the save returned, it would write what the tensor holds by then into
+    the file. So that file is not committed: the save fails, the previous one stays."""
+    monkeypatch.setenv("FASTPERSIST_URING_STALL_S", "0.5")
+    with fp_core._native.Engine(os.path.join(disk_dir, "probe.bin"), backend="io_uring") as eng:
+        if eng.backend != "io_uring":
+            pytest.skip(f"no io_uring here: {eng.backend_reason}")
+    os.unlink(os.path.join(disk_dir, "probe.bin"))
+    path = os.path.join(disk_dir, "ckpt.pt")
+    old = _old_checkpoint(path)
+    raw = np.empty(8 * MiB + 4096, dtype=np.uint8)  # a page-aligned tensor: written zero-copy
+    big = torch.from_numpy(raw[(-raw.ctypes.data) % 4096:][:8 * MiB]).view(torch.float32)
+    big.fill_(1.5)
+    fault("lose_completion", after_bytes=2 * MiB)
+    with pytest.raises(OSError) as ei:
+        fp_core.save({"big": big}, path, backend="io_uring")
+    assert ei.value.errno == errno.ETIMEDOUT and path in str(ei.value)
+    _assert_old_intact(path, old)
+    assert_no_temps(disk_dir)
 
 
 def test_unknown_options_and_format(disk_dir):

@@ -437,12 +437,33 @@ def test_a_lost_io_uring_completion_fails_the_write_instead_of_hanging(tmp_path,
         assert time.perf_counter() - t0 < 10
         # the engine and its later writes' stats say which backend writes now
         assert eng.backend == "threadpool" and "stopped answering" in eng.backend_reason
+        assert eng.ring_stalled == 1  # the request given up on was staged: its bytes are fixed
         crcs, stats = eng.write(extents, 0, total)
         assert stats["backend"] == "threadpool"
         eng.truncate(total)
     assert read_file(path) == expected.tobytes()
     for (off, _, length), crc in zip(extents, crcs):
         assert crc == _native.crc32c(expected[off : off + length])
+
+
+def test_a_lost_zero_copy_request_says_it_wrote_from_the_callers_memory(tmp_path, monkeypatch):
+    """A request given up on that writes straight from the caller's memory would, should it
+    complete later, write what that memory holds by then: the engine says so (ring_stalled
+    2), and the caller must not commit the file."""
+    monkeypatch.setenv("FASTPERSIST_URING_STALL_S", "0.5")
+    n = 8 * MiB
+    raw = np.empty(n + 4096, dtype=np.uint8)
+    buf = raw[(-raw.ctypes.data) % 4096:][:n]
+    buf[:] = 7
+    path = tmp_path / "direct.bin"
+    with _native.Engine(str(path), backend="io_uring", chunk_bytes=1 * MiB) as eng:
+        if eng.backend != "io_uring":
+            pytest.skip(f"no io_uring here: {eng.backend_reason}")
+        _native.inject_fault("lose_completion", after_bytes=2 * MiB)
+        with pytest.raises(OSError) as ei:
+            eng.write([(0, buf.ctypes.data, n)], 0, n, zero_copy=True)
+        assert ei.value.errno == errno.ETIMEDOUT
+        assert eng.ring_stalled == 2 and eng.backend == "threadpool"
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "threadpool", "buffered"])
