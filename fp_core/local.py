@@ -5,6 +5,7 @@ caller's thread, then run (written, synced, committed) on any thread. The synchr
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -56,13 +57,11 @@ class LocalSave:
         self.final = commit.check_target(os.fspath(path))
         commit.clean_in_background(os.path.dirname(self.final))  # leftovers of crashed saves, once
         self.stats = SaveStats(path=self.final)
-        file_mode = 0o666 if mode is None else mode
+        self._mode = 0o666 if mode is None else mode
         try:
-            self.temp = commit.TempFile(self.final, lambda p, tmpfile: open_engine(
-                p, options, create=True, tmpfile=tmpfile, mode=file_mode))
+            self._open_temp()
         except OSError as e:
             raise rename_os_error(e, self.final) from e
-        self.engine = self.temp.engine
         self._early: early_writes.EarlyWrite | None = None
         try:
             alignment = max(MIN_ALIGNMENT, self.engine.alignment)
@@ -75,6 +74,8 @@ class LocalSave:
                         # nothing written early (small), or what was is written anew
                         self._early.stop(cancel=True)
                         self._early = None
+                        if self.engine.ring_stalled:  # an early batch's requests may still land
+                            self._fresh_temp_file("an early write stalled")
                     self.plan: FilePlan = plan if plan is not None else build(obj, alignment)
                 elif format == "torch":
                     self.plan = build(obj, alignment, congruent=congruent)
@@ -101,10 +102,15 @@ class LocalSave:
             self.abort()
             raise self._failed
         try:
-            with self.engine:
+            try:
                 rs = self._write(on_body_written)
                 t_sync = time.perf_counter()
                 self.engine.sync()
+            finally:
+                if self._early is not None:  # interrupted before it was waited for: never close
+                    self._early.stop(cancel=True)  # the file under its writes
+                    self._early = None
+                self.engine.close()  # the current one (a rewrite may have opened another)
             if self._failed is not None:  # failed meanwhile (by the fence, on another thread)
                 raise self._failed
             if publish:
@@ -137,27 +143,43 @@ class LocalSave:
                 on_body_written()
 
         try:
-            return write_single(self.engine, self.plan, self.options, body_written, early=self._early)
+            rs = write_single(self.engine, self.plan, self.options, body_written, early=self._early)
         except OSError as e:
             self._early = None  # its thread is out of the file (write_single waited for it)
             why = None if released else self._rewrite_reason(e)
             if why is None:
                 raise
             log.warning("fastpersist: %s; writing %s again", why, self.final)
+            self.stats.extra["rewritten"] = why
+            if self.engine.ring_stalled:
+                self._fresh_temp_file(why)
             return write_single(self.engine, self.plan, self.options, body_written)
-        finally:
-            self._early = None
+        self._early = None
+        return rs
+
+    def _open_temp(self) -> None:
+        options, mode = self.options, self._mode
+        self.temp = commit.TempFile(self.final, lambda p, tmpfile: open_engine(
+            p, options, create=True, tmpfile=tmpfile, mode=mode))
+        self.engine = self.temp.engine
+
+    def _fresh_temp_file(self, why: str) -> None:
+        """Drop the temporary file for a new one written through the pwrite pool: io_uring
+        requests given up on may still complete, and would write into (and past the end of)
+        the file they were for; in the dropped file nobody reads them."""
+        log.info("fastpersist: %s; %s gets a new temporary file", why, self.final)
+        self.temp.abort()
+        self.options = dataclasses.replace(self.options, backend="threadpool")
+        self._open_temp()
 
     def _rewrite_reason(self, e: OSError) -> str | None:
-        """Why a failed write may be retried, whole, in the same temporary file (its cause
-        gone: a full disk first waits here for the frees pending on it), or None. Only a
-        save whose sources have not been let go (before ``on_body_written``) and that has no
-        fence cut (whose batches are claimed once) is written again."""
+        """Why a failed write may be retried, whole (its cause gone: a full disk first waits
+        here for the frees pending on it; a stalled ring leaves its file for a new one), or
+        None. Only a save whose sources have not been let go (before ``on_body_written``)
+        and that has no fence cut (whose batches are claimed once) is written again."""
         if self.plan.cut is not None:
             return None
-        if e.errno == errno.ETIMEDOUT and self.engine.ring_stalled == 1:
-            # (2: a request given up on writes from the caller's memory: should it complete
-            # later, it would put what that memory holds then into this file; not committed)
+        if e.errno == errno.ETIMEDOUT and self.engine.ring_stalled:
             return "io_uring stopped answering (FASTPERSIST_URING_STALL_S); the pwrite pool writes the file"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             try:

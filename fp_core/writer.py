@@ -8,7 +8,9 @@ tail checksum in the zip comment.
 from __future__ import annotations
 
 import contextlib
+import logging
 import struct
+import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -23,6 +25,8 @@ from . import _native
 from .engine import EngineOptions
 from .manifest import TAIL_COMMENT_PREFIX
 from .plan import FilePlan, StorageExtent, align_down
+
+log = logging.getLogger("fastpersist")
 
 # Device tensors are copied to pinned host memory in batches of at most this many bytes
 # (or one storage, when a single storage is larger), so host memory stays bounded.
@@ -81,6 +85,19 @@ def mark_ready(extents: list[StorageExtent]) -> None:
         s.ready = events[dev]
 
 
+def _synchronize(streams: Any) -> None:
+    """Wait for every stream; while another error is already on its way out (this runs in
+    ``finally``), a failing wait (a sticky CUDA error) is logged, not raised over it."""
+    leaving = sys.exc_info()[1]
+    for stream in streams:
+        try:
+            stream.synchronize()
+        except Exception as e:  # noqa: BLE001 - see above
+            if leaving is None:
+                raise
+            log.error("fastpersist: waiting for a CUDA stream after %r failed too: %s", leaving, e)
+
+
 @contextlib.contextmanager
 def device_work_after_save(extents: list[StorageExtent]) -> Iterator[None]:
     """Run the block's device work (clones, gathers, copies issued on this thread: a
@@ -107,8 +124,7 @@ def device_work_after_save(extents: list[StorageExtent]) -> Iterator[None]:
         try:
             yield
         finally:
-            for side in sides:  # what the block left queued is done before its memory is let go
-                side.synchronize()
+            _synchronize(sides)  # what the block left queued is done before its memory is let go
 
 
 def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None = None) -> None:
@@ -143,8 +159,7 @@ def copy_to_host(extents: list[StorageExtent], into: list[torch.Tensor] | None =
     finally:
         # also when a copy or an allocation failed part-way: nothing may still be copying
         # into buffers the caller is about to drop or hand back to a pool
-        for stream in streams.values():
-            stream.synchronize()
+        _synchronize(streams.values())
 
 
 SNAPSHOT_CONGRUENCE = 4096  # a snapshot copy agrees with its file offset modulo 4 KiB

@@ -695,3 +695,21 @@ def test_device_work_after_save_runs_on_a_side_stream_ordered_after_the_callers(
     with fp_core.writer.device_work_after_save([ext]):
         assert torch.cuda.current_stream().name == "default"
     assert len(log) == n
+
+
+def test_a_failing_stream_wait_does_not_hide_the_error_on_its_way_out(caplog):
+    """The streams are waited for in ``finally``: a sticky CUDA error there is logged, not
+    raised over the error that made the copies stop (and raised when there is none)."""
+
+    class Sticky:
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(MemoryError, match="pinned"):
+        try:
+            raise MemoryError("pinned allocation failed")
+        finally:
+            fp_core.writer._synchronize([Sticky()])
+    assert "illegal memory access" in caplog.text
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        fp_core.writer._synchronize([Sticky()])

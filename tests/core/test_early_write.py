@@ -254,6 +254,39 @@ def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1m
     assert_identical(old, fp_core.load(path, verify=True))
 
 
+def test_ctrl_c_before_the_save_waits_for_its_early_write_still_waits_for_it(disk_dir, early_from_1mib,
+                                                                             monkeypatch):
+    """The interrupt lands after the plan, before the save reaches the early write's join
+    (as if in EarlyWrite._close): the thread is still writing; the file must not be closed
+    under it, and nothing of the save stays."""
+    import time
+
+    monkeypatch.setattr(fp_core.commit, "tmpfile_supported", lambda d: False)  # a named temp, to see a leak
+    path = os.path.join(disk_dir, "s.pt")
+    old = {"old": torch.arange(100)}
+    fp_core.save(old, path)
+    real = early_write.write_range
+
+    def slow_disk(*args):
+        time.sleep(0.3)
+        return real(*args)
+
+    monkeypatch.setattr(early_write, "write_range", slow_disk)
+    real_result = early_write.EarlyWrite.result
+
+    def interrupted(self):
+        self._close()
+        raise KeyboardInterrupt  # before stop() waits for the thread
+
+    monkeypatch.setattr(early_write.EarlyWrite, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fp_core.save(_state(), path)
+    monkeypatch.setattr(early_write.EarlyWrite, "result", real_result)
+    assert not _early_threads()
+    assert sorted(os.listdir(disk_dir)) == ["s.pt"]
+    assert_identical(old, fp_core.load(path, verify=True))
+
+
 def test_a_thread_that_cannot_start_fails_the_save_cleanly(disk_dir, early_from_1mib, monkeypatch):
     class Unstartable(threading.Thread):
         def start(self):
