@@ -224,24 +224,32 @@ def test_a_state_that_shrank_between_the_two_pickles_is_written_anew(disk_dir, e
     assert_identical(state, fp_core.load(path, verify=True, weights_only=False))
 
 
-def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1mib, monkeypatch):
-    """SIGINT lands while the save waits for its early write (most of a large save): the
-    interrupt is what the caller gets, once the thread is out of the file; no temporary
-    file stays and the previous checkpoint is intact."""
-    import signal
+def _slow_early_writes(disk_dir: str, monkeypatch, seconds: float) -> tuple[str, dict]:
+    """A checkpoint to keep intact, under a named temp file (a leak shows), and early
+    batches that take ``seconds`` each: time for an interrupt to land meanwhile."""
     import time
 
-    monkeypatch.setattr(fp_core.commit, "tmpfile_supported", lambda d: False)  # a named temp, to see a leak
+    monkeypatch.setattr(fp_core.commit, "tmpfile_supported", lambda d: False)
     path = os.path.join(disk_dir, "s.pt")
     old = {"old": torch.arange(100)}
     fp_core.save(old, path)
     real = early_write.write_range
 
     def slow_disk(*args):
-        time.sleep(0.4)
+        time.sleep(seconds)
         return real(*args)
 
     monkeypatch.setattr(early_write, "write_range", slow_disk)
+    return path, old
+
+
+def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1mib, monkeypatch):
+    """SIGINT lands while the save waits for its early write (most of a large save): the
+    interrupt is what the caller gets, once the thread is out of the file; no temporary
+    file stays and the previous checkpoint is intact."""
+    import signal
+
+    path, old = _slow_early_writes(disk_dir, monkeypatch, 0.4)
     timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     try:
@@ -259,19 +267,8 @@ def test_ctrl_c_before_the_save_waits_for_its_early_write_still_waits_for_it(dis
     """The interrupt lands after the plan, before the save reaches the early write's join
     (as if in EarlyWrite._close): the thread is still writing; the file must not be closed
     under it, and nothing of the save stays."""
-    import time
 
-    monkeypatch.setattr(fp_core.commit, "tmpfile_supported", lambda d: False)  # a named temp, to see a leak
-    path = os.path.join(disk_dir, "s.pt")
-    old = {"old": torch.arange(100)}
-    fp_core.save(old, path)
-    real = early_write.write_range
-
-    def slow_disk(*args):
-        time.sleep(0.3)
-        return real(*args)
-
-    monkeypatch.setattr(early_write, "write_range", slow_disk)
+    path, old = _slow_early_writes(disk_dir, monkeypatch, 0.3)
     real_result = early_write.EarlyWrite.result
 
     def interrupted(self):

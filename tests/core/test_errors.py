@@ -132,16 +132,21 @@ def test_injected_eio(disk_dir, fault, backend, after):
     _assert_old_intact(path, old)
 
 
-@pytest.mark.parametrize("size", [2 * MiB, 48 * MiB])  # 48 MiB: the stall hits the early write
-def test_a_write_that_never_completes_is_written_again_not_a_hang(disk_dir, fault, monkeypatch, caplog, size):
-    """An io_uring write whose completion never comes (seen once in Lightning's suite): after
-    FASTPERSIST_URING_STALL_S the engine gives up on its ring and the save writes the file
-    again through the pwrite pool, in the same temporary file, and succeeds."""
-    monkeypatch.setenv("FASTPERSIST_URING_STALL_S", "0.5")
+def _io_uring_stalls_after(disk_dir: str, monkeypatch, seconds: float) -> None:
+    """The stall watchdog's limit set to ``seconds``; the test skipped without io_uring."""
+    monkeypatch.setenv("FASTPERSIST_URING_STALL_S", str(seconds))
     with fp_core._native.Engine(os.path.join(disk_dir, "probe.bin"), backend="io_uring") as eng:
         if eng.backend != "io_uring":
             pytest.skip(f"no io_uring here: {eng.backend_reason}")
     os.unlink(os.path.join(disk_dir, "probe.bin"))
+
+
+@pytest.mark.parametrize("size", [2 * MiB, 48 * MiB])  # 48 MiB: the stall hits the early write
+def test_a_write_that_never_completes_is_written_again_not_a_hang(disk_dir, fault, monkeypatch, caplog, size):
+    """An io_uring write whose completion never comes (seen once in Lightning's suite): after
+    FASTPERSIST_URING_STALL_S the engine gives up on its ring and the save writes the file
+    again through the pwrite pool, in a new temporary file, and succeeds."""
+    _io_uring_stalls_after(disk_dir, monkeypatch, 0.5)
     path = os.path.join(disk_dir, "ckpt.pt")
     _old_checkpoint(path)
     fault("lose_completion")
@@ -163,11 +168,7 @@ def test_a_stalled_write_from_the_tensors_own_memory_is_written_again_in_a_new_f
     complete later, it would write what the tensor holds by then, and a tail request past
     the file's end. So the save is written again in a new temporary file (the old one
     dropped, where late writes land unread), through the pwrite pool."""
-    monkeypatch.setenv("FASTPERSIST_URING_STALL_S", "0.5")
-    with fp_core._native.Engine(os.path.join(disk_dir, "probe.bin"), backend="io_uring") as eng:
-        if eng.backend != "io_uring":
-            pytest.skip(f"no io_uring here: {eng.backend_reason}")
-    os.unlink(os.path.join(disk_dir, "probe.bin"))
+    _io_uring_stalls_after(disk_dir, monkeypatch, 0.5)
     path = os.path.join(disk_dir, "ckpt.pt")
     _old_checkpoint(path)
     raw = np.empty(8 * MiB + 4096, dtype=np.uint8)  # a page-aligned tensor: written zero-copy
@@ -187,11 +188,7 @@ def test_an_early_write_that_stalls_before_the_layout_is_redone_leaves_its_file(
     """The early write began on a layout the whole state then overrules (a large tensor, then
     thousands of small ones) and one of its requests stalled: the file is laid out anew in a
     new temporary file, not over the one a late completion may still write into."""
-    monkeypatch.setenv("FASTPERSIST_URING_STALL_S", "0.3")
-    with fp_core._native.Engine(os.path.join(disk_dir, "probe.bin"), backend="io_uring") as eng:
-        if eng.backend != "io_uring":
-            pytest.skip(f"no io_uring here: {eng.backend_reason}")
-    os.unlink(os.path.join(disk_dir, "probe.bin"))
+    _io_uring_stalls_after(disk_dir, monkeypatch, 0.3)
     path = os.path.join(disk_dir, "ckpt.pt")
     state = {"big": torch.full((10 * MiB,), 2.0)}  # 40 MiB: the early write begins with it
     state.update({f"t{i}": torch.full((1,), float(i)) for i in range(12000)})
