@@ -420,9 +420,10 @@ static PyMemberDef Engine_members[] = {
      "why the first choice of backend was not used ('' when it was)"},
     {"ring_stalled", T_INT, offsetof(EngineObject, ring_reported), READONLY,
      "0; 1 once a write's io_uring requests got no completion within FASTPERSIST_URING_STALL_S "
-     "(later writes go through the pwrite pool); 2 when one given up on was writing straight "
-     "from the caller's memory (zero-copy): should it complete later it writes what that "
-     "memory holds then, so this file must not be committed"},
+     "(later writes go through the pwrite pool; a request given up on may still complete into "
+     "this file, and past its end: write the checkpoint anew in another file); 2 when one of "
+     "them was writing straight from the caller's memory (zero-copy), which it would write "
+     "as that memory is by then"},
     {"alignment", T_LONGLONG, offsetof(EngineObject, eng.alignment), READONLY, "O_DIRECT offset/length alignment"},
     {"mem_alignment", T_LONGLONG, offsetof(EngineObject, eng.mem_alignment), READONLY, "staging buffer alignment"},
     {"queue_depth", T_INT, offsetof(EngineObject, eng.queue_depth), READONLY, NULL},
