@@ -120,7 +120,8 @@ def pin(path: str) -> Pinned:
     if fs_type(st.st_dev) not in PINNED_FS:
         return p
     if stat.S_ISREG(st.st_mode):
-        _pin_file(p, path, st.st_dev)
+        if st.st_blocks * 512 >= MIN_BYTES and st.st_nlink == 1:  # else nothing to open (small saves)
+            _pin_file(p, path, st.st_dev)
     elif stat.S_ISDIR(st.st_mode):
         visited = 0
         for root, _dirs, names in os.walk(path):  # os.walk does not follow links to directories
