@@ -144,12 +144,6 @@ _RUNTIME_ATTRS = ("_lock", "_ckpt", "_pending", "_committed", "_unlogged", "_hoo
 _PEER_PATH = "fastpersist-peer-rank.ckpt"
 
 
-def _remove_path(path: str) -> None:
-    """Like ``TorchCheckpointIO.remove_checkpoint``: remove a file, link or directory; silent
-    if missing (large files' blocks freed in the background: ``fp_core.commit.remove``)."""
-    fp_commit.remove(path)
-
-
 def _copy_sharded_state(obj: Any) -> Any:
     """``obj`` with every tensor copied; a ``ShardedTensor`` becomes one over copies of its
     local shards, with the same global metadata (no communication)."""
@@ -321,7 +315,7 @@ class _FastPersistIOImpl:
             remove = functools.partial(fp_remote.remove, p, recursive=True, storage_options=self.storage_options)
             remove.__name__ = f"remove {p}"  # type: ignore[attr-defined]  # names the job in errors
         else:
-            remove = functools.partial(_remove_path, p)
+            remove = functools.partial(fp_commit.remove, p)  # as TorchCheckpointIO's; frees in the background
         try:
             with self._lock:
                 self._sweep()

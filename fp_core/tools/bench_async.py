@@ -73,7 +73,7 @@ from torch import nn
 from ..commit import fsync_file
 from .bench_args import DTYPE_NAMES, MODES, engine_options
 from .common import describe_device, describe_pages, format_targets, payload_bytes, remove, tensors_in
-from .procinfo import cpu_seconds
+from .procinfo import available_memory, cpu_seconds
 
 LABELS = {
     "none": "no checkpoint",
@@ -146,18 +146,6 @@ def max_batch_for(tr: Trainer, fraction: float = 0.5) -> int | None:
     width, layers = tr.model[0].in_features, len(tr.model) // 2
     per_sample = 6 * layers * width * tr.x.element_size()
     return max(1, int(free * fraction) // per_sample)
-
-
-def available_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def calibrate_batch(tr: Trainer, target_ms: float, tolerance: float = 0.05, tries: int = 4,

@@ -23,6 +23,18 @@ def status_field(name: str, default: int | None = None) -> int:
     return default
 
 
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def cpu_seconds() -> float:
     """CPU time this process has used, every thread's, user + system."""
     r = resource.getrusage(resource.RUSAGE_SELF)
