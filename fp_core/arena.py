@@ -8,16 +8,20 @@ saves; its first fill faults every page in, which is why ``auto`` warms one firs
 
 from __future__ import annotations
 
+import logging
 import mmap
 
 import torch
 
 from . import _native
+from .pinned_host import pinned_buffer
 from .plan import StorageExtent
 from .writer import SNAPSHOT_CONGRUENCE
 
 ARENA_ALIGN = SNAPSHOT_CONGRUENCE  # the unit stage_cpu checksums the copies' ranges in
 HUGE_PAGE = 2 << 20
+
+log = logging.getLogger("fastpersist")
 
 
 def arena_layout(extents: list[StorageExtent]) -> tuple[list[int], int]:
@@ -39,26 +43,38 @@ def arena_need(extents: list[StorageExtent]) -> tuple[int, bool]:
             any(s.source.device.type == "cuda" for s in extents))
 
 
+def _pinned(nbytes: int, huge: bool) -> tuple[torch.Tensor, int]:
+    """Page-locked memory for an arena of device tensors' copies: of the size asked for
+    (:mod:`fp_core.pinned_host`), else, where the driver will not register it, torch's
+    pinned allocator (which rounds up to a power of two)."""
+    try:
+        return pinned_buffer(nbytes, ARENA_ALIGN, huge=huge)
+    except OSError as e:
+        log.warning("fastpersist: %s; the snapshot arena takes torch's pinned memory instead "
+                    "(rounded up to a power of two)", e)
+    raw = torch.empty(nbytes + ARENA_ALIGN, dtype=torch.uint8, pin_memory=True)
+    return raw[-raw.data_ptr() % ARENA_ALIGN:][:nbytes], 0
+
+
 class Arena:
     """A reusable host buffer that snapshot copies are carved from (kept across saves)."""
 
     def __init__(self, nbytes: int, pin: bool, huge: bool = False) -> None:
-        huge = huge and not pin  # pinned memory is the CUDA driver's to lay out
-        self._map: mmap.mmap | None = None
-        if huge:
+        self.pin = pin
+        self.huge_bytes = 0
+        if pin:
+            self.buf, self.huge_bytes = _pinned(nbytes, huge)
+        elif huge:
             # A mapping of its own: malloc may hand back heap pages already touched (as
             # 4 KiB pages), and the advice only shapes pages faulted in after it.
-            self._map = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            raw = torch.frombuffer(self._map, dtype=torch.uint8)
-            align = HUGE_PAGE
+            m = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            raw = torch.frombuffer(m, dtype=torch.uint8)  # its storage holds the mapping
+            self.buf = raw[-raw.data_ptr() % HUGE_PAGE:][:nbytes]
+            # Advised before any page is touched, so the first fill faults in huge pages.
+            self.huge_bytes = _native.advise_huge(self.buf.data_ptr(), nbytes)
         else:
-            raw = torch.empty(nbytes + ARENA_ALIGN, dtype=torch.uint8, pin_memory=pin)
-            align = ARENA_ALIGN
-        skip = -raw.data_ptr() % align
-        self.buf = raw[skip: skip + nbytes]
-        self.pin = pin
-        # Advised before any page is touched, so the first fill faults in huge pages.
-        self.huge_bytes = _native.advise_huge(self.buf.data_ptr(), nbytes) if huge else 0
+            raw = torch.empty(nbytes + ARENA_ALIGN, dtype=torch.uint8)
+            self.buf = raw[-raw.data_ptr() % ARENA_ALIGN:][:nbytes]
         self.slots: dict[int, torch.Tensor] = {}  # id(extent) -> its copy's place, for one save
         self.fresh = True  # no page touched yet: the first copy into it faults every page in
 

@@ -17,6 +17,7 @@ be checked without a device is checked on the CPU in tests/core/test_cuda_logic.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic GEMMs: stock and FastPersist runs compare
@@ -356,8 +357,8 @@ def test_pinned_staging_stays_within_budget_over_50_saves(disk_dir, monkeypatch,
     total = sum(t.numel() * 4 for t in big + small)
     if policy == "overlap":  # one batch of staging copies (each rounded up to a power of two) + the small ones
         budget = 2 * max(batch, largest) + small_pinned
-    else:  # the arena (rounded up too) + the small ones
-        budget = _pow2(total + 4096 * (len(big) + len(small) + 2)) + small_pinned
+    else:  # the arena (registered, of its own size: fp_core.pinned_host) + the small ones
+        budget = total + 4096 * (len(big) + len(small) + 2) + small_pinned
     budget += 4 * MiB
     paths = [os.path.join(disk_dir, f"{policy}{i}.pt") for i in (0, 1)]
     marks: dict[int, tuple[int, dict | None]] = {}
@@ -390,6 +391,35 @@ def test_pinned_staging_stays_within_budget_over_50_saves(disk_dir, monkeypatch,
     peak = s50.get("active_bytes.peak")
     if peak is not None:
         assert peak <= budget, f"pinned staging peaked at {peak / MiB:.0f} MiB, budget {budget / MiB:.0f} MiB"
+
+
+def test_pinned_arena_is_registered_at_its_own_size_and_copies_asynchronously():
+    """A snapshot arena for device tensors is page-locked memory of the size asked for
+    (not torch's pinned allocator, which rounds 48 MiB + 1 page up to 64 MiB and keeps it
+    cached), copies from the device into it are asynchronous, and dropping it releases it."""
+    from fp_core.arena import Arena
+
+    nbytes = 48 * MiB + 4096
+    before = _pinned_stats()
+    arena = Arena(nbytes, pin=True, huge=True)
+    assert arena.buf.numel() == nbytes and arena.buf.is_pinned()
+    after = _pinned_stats()
+    if before is not None and after is not None:  # not taken from torch's caching host allocator
+        assert after["allocated_bytes.current"] == before["allocated_bytes.current"]
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        arena.buf.copy_(src, non_blocking=True)
+    side.synchronize()
+    assert torch.equal(arena.buf, src.cpu())
+    addr = arena.buf.data_ptr()
+    del arena
+    gc.collect()
+    with open("/proc/self/maps") as f:  # unregistered, then unmapped (fp_core.pinned_host)
+        spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
+    assert not any(lo <= addr < hi for lo, hi in spans), "the arena's pages are still mapped after it was dropped"
+    torch.cuda.synchronize()
 
 
 def test_auto_reaches_snapshot_with_device_tensors(disk_dir, caplog):

@@ -31,6 +31,7 @@ from conftest import assert_identical, assert_no_temps
 import fp_core
 import fp_core.arena
 import fp_core.local
+import fp_core.pinned_host
 import fp_core.pipeline
 import fp_core.writer
 from fp_core.engine import EngineOptions, open_engine
@@ -193,8 +194,9 @@ class _FakeEvent:
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """torch.cuda's stream API replaced by loggers (current stream per thread; this one on
-    "caller"); pinned allocations recorded (and made in ordinary memory). Yields (log,
-    pinned allocation sizes)."""
+    "caller"); pinned allocations recorded (and made in ordinary memory), the driver's
+    registration of a pinned arena (fp_core.pinned_host) a no-op. Yields (log, pinned
+    allocation sizes)."""
     _FakeCudaTensor.log = []
     _FakeCudaTensor.devices, _FakeCudaTensor.guarded = [], []
     _FakeCudaTensor.streams = _Streams()
@@ -231,6 +233,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(fp_core.pinned_host, "_register", lambda addr, nbytes: None)
+    monkeypatch.setattr(fp_core.pinned_host, "_unregister", lambda addr: None)
     yield _FakeCudaTensor.log, pinned
 
 
