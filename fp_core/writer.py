@@ -13,7 +13,7 @@ import struct
 import sys
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -68,21 +68,27 @@ def _bytes_addr(data: bytes, keep: list) -> int:
     return arr.ctypes.data
 
 
+def record_ready(devices: Iterable[torch.device]) -> dict[torch.device, Any]:
+    """An event per CUDA device among ``devices``, recorded on the caller's current stream
+    of that device: the point up to which the caller's device work is what a save holds."""
+    events: dict[torch.device, Any] = {}
+    for dev in devices:
+        if dev.type == "cuda" and dev not in events:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            events[dev] = ev
+    return events
+
+
 def mark_ready(extents: list[StorageExtent]) -> None:
     """Record, on the caller's current stream of each device, the point the device
     storages' contents are final for this save: copies made later on another thread (the
     background writer, whose current stream is another) wait for that point, not for
     whatever that thread's stream holds."""
-    events: dict[torch.device, Any] = {}
+    events = record_ready(s.source.device for s in extents)
     for s in extents:
-        dev = s.source.device
-        if dev.type != "cuda":
-            continue
-        if dev not in events:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(dev))
-            events[dev] = ev
-        s.ready = events[dev]
+        if s.source.device in events:
+            s.ready = events[s.source.device]
 
 
 def _synchronize(streams: Any) -> None:
@@ -110,6 +116,15 @@ def device_work_after_save(extents: list[StorageExtent]) -> Iterator[None]:
     for s in extents:
         if s.ready is not None:
             events.setdefault(s.source.device, s.ready)
+    with device_work_after(events):
+        yield
+
+
+@contextlib.contextmanager
+def device_work_after(events: dict[torch.device, Any]) -> Iterator[None]:
+    """The block's device work on a side stream per device of ``events`` (from
+    :func:`record_ready`), each waiting for its device's event first; every side stream
+    is synchronised when the block ends, so the memory it read can be let go."""
     if not events:
         yield
         return

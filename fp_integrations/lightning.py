@@ -144,19 +144,25 @@ _RUNTIME_ATTRS = ("_lock", "_ckpt", "_pending", "_committed", "_unlogged", "_hoo
 _PEER_PATH = "fastpersist-peer-rank.ckpt"
 
 
-def _copy_sharded_state(obj: Any) -> Any:
+def _copy_sharded_state(obj: Any, devices: set | None = None) -> Any:
     """``obj`` with every tensor copied; a ``ShardedTensor`` becomes one over copies of its
-    local shards, with the same global metadata (no communication)."""
+    local shards, with the same global metadata (no communication). The devices copied on
+    are added to ``devices``."""
     import torch
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        if devices is not None:
+            devices.add(t.device)
+        return t.detach().clone()
+
     if isinstance(obj, ShardedTensor):
-        shards = [Shard(s.tensor.detach().clone(), s.metadata) for s in obj.local_shards()]
+        shards = [Shard(copy(s.tensor), s.metadata) for s in obj.local_shards()]
         return ShardedTensor._init_from_local_shards_and_global_metadata(
             shards, obj.metadata(), process_group=obj._process_group)
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    return map_containers(obj, _copy_sharded_state)
+        return copy(obj)
+    return map_containers(obj, lambda x: _copy_sharded_state(x, devices))
 
 
 class _Pending:
@@ -491,17 +497,23 @@ class _FastPersistIOImpl:
 
         from fp_core.dcp import FastPersistWriter
         from fp_core.distributed import coordination_group
+        from fp_core.writer import device_work_after, record_ready
 
         ckpt = self._checkpointer()
         group = coordination_group(None)
         t0 = time.perf_counter()
-        copy = _copy_sharded_state(state)
+        devices: set = set()
+        copy = _copy_sharded_state(state, devices)
+        # The clones are queued on this thread's current streams; the worker's reads of them
+        # wait for that point (its own current stream is another), not for what it holds.
+        ready = record_ready(devices)
         staged = time.perf_counter() - t0
 
         def save() -> Any:
             writer = FastPersistWriter(path, extra_files=extra_files, **self.engine_options)
             try:
-                dcp.save(copy, storage_writer=writer, process_group=group)
+                with device_work_after(ready):
+                    dcp.save(copy, storage_writer=writer, process_group=group)
             except CheckpointException as e:
                 raise CheckpointError(f"sharded checkpoint {path} not written: {e}") from e
             stats = fp_core.SaveStats(path=path, bytes=int(writer.stats.get("bytes", 0)),

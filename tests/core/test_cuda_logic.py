@@ -296,6 +296,38 @@ def test_copy_to_host_synchronises_its_copies_when_one_fails(fake_cuda, monkeypa
     assert ("sync", log[copy_at][1]) in log[copy_at + 1:], log
 
 
+def test_device_work_on_another_thread_waits_for_the_point_recorded_on_the_callers_stream(fake_cuda):
+    """Lightning's FSDP1 path: the caller clones the state on its own current stream, the
+    checkpointer's worker copies the clones to the host later. The worker's copies must be
+    ordered after the clones (through the event recorded at save), and what it queued is
+    synchronised before its block ends (the clones are freed after)."""
+    log, _ = fake_cuda
+    ext, src = _fake_device_extent(4096, 5)
+    with torch.cuda.stream(_FakeStream(name="caller_side")):
+        ready = fp_core.writer.record_ready([torch.device("cuda", 0), torch.device("cpu"), torch.device("cuda", 0)])
+    assert list(ready) == [torch.device("cuda", 0)]  # one event per CUDA device, none for the CPU
+
+    def worker() -> None:
+        with fp_core.writer.device_work_after(ready):
+            fp_core.writer.copy_to_host([ext])
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    waits = {(e[1], e[2]) for e in log if e[0] == "wait"}
+    copy_stream = next(e[1] for e in log if e[0] == "copy")
+
+    def after(stream: str, target: str, seen: frozenset = frozenset()) -> bool:
+        return any(b == target or (b not in seen and after(b, target, seen | {b})) for a, b in waits if a == stream)
+
+    assert after(copy_stream, "caller_side"), f"the worker's copy is not ordered after the caller's clones: {log}"
+    assert not after(copy_stream, "default"), f"the worker's copy waits on its default stream: {log}"
+    outer = next(a for a, b in waits if b == "caller_side")
+    assert log.index(("sync", outer)) > max(i for i, e in enumerate(log) if e[0] == "copy"), log
+    assert torch.equal(ext.host, src)
+    assert fp_core.writer.record_ready([torch.device("cpu")]) == {}
+
+
 def test_copy_to_host_into_an_arena_allocates_nothing(fake_cuda):
     log, pinned = fake_cuda
     exts = [_fake_device_extent(n, v) for n, v in ((4096, 4), (777, 5))]
