@@ -113,6 +113,9 @@ def add_async_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam", choices=("default", "fused"), default="default",
                    help="torch.optim.Adam as constructed by default (its step counters on the CPU) or with "
                         "fused=True (everything on the model's device; what GPU training often uses)")
+    g.add_argument("--floor-pages", choices=("huge", "4k"), default="huge",
+                   help="the pages the disk floor row writes from: huge (default; 2 MiB where the kernel "
+                        "gives them, as FastPersist's own buffers) or 4k (as a plain torch.empty)")
     g.add_argument("--no-write-probe", dest="write_probe", action="store_false",
                    help="skip the 'write alone' probe (two fp_core.save and two torch.save of the checkpoint "
                         "before the rounds)")

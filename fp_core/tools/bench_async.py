@@ -88,6 +88,7 @@ LABELS = {
     "snapshot_bg": "  snapshot, CPU work in the background",
     "overlap_huge": "  overlap, live tensors moved to huge pages",
 }
+HUGE_PAGE = 2 << 20
 BACKGROUND_MODES = ("overlap_bg", "snapshot_bg")  # cpu_work_at_save=False
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -215,16 +216,27 @@ class DiskOnly(Mode):
     """The checkpoint's byte count written from a fixed aligned buffer after each step
     (one write in flight; waiting for the previous one counts as blocked)."""
 
-    def __init__(self, path: str, tr: Trainer, engine_options: dict[str, Any]) -> None:
+    def __init__(self, path: str, tr: Trainer, engine_options: dict[str, Any], huge: bool = True) -> None:
         super().__init__(path)
+        import mmap
         from concurrent.futures import ThreadPoolExecutor
 
+        from .. import _native
         from ..engine import EngineOptions
         self.options = EngineOptions(**engine_options)
         tensors = tensors_in(tr.state())  # device tensors too: their bytes are what a checkpoint writes
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        self.raw = torch.empty(self.nbytes + 4096, dtype=torch.uint8)
-        skip = -self.raw.data_ptr() % 4096
+        if huge:
+            # Where the disk's work alone is measured from: FastPersist's own buffers (staging,
+            # arena) sit on 2 MiB pages, and writing from 4 KiB ones costs this VM's guest far
+            # more while it runs (benchmarks/README.md, the floor's pages).
+            m = mmap.mmap(-1, self.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.raw = torch.frombuffer(m, dtype=torch.uint8)
+            skip = -self.raw.data_ptr() % HUGE_PAGE
+            _native.advise_huge(self.raw.data_ptr() + skip, self.nbytes)
+        else:
+            self.raw = torch.empty(self.nbytes + 4096, dtype=torch.uint8)
+            skip = -self.raw.data_ptr() % 4096
         self.buf = self.raw[skip:skip + self.nbytes]
         pos = 0
         for t in tensors:  # the checkpoint's own bytes, should the disk care what it stores
@@ -349,13 +361,13 @@ class FastPersistAsync(Mode):
 
 
 def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
-             engine_options: dict[str, Any]) -> dict[str, Any]:
+             engine_options: dict[str, Any], floor_huge: bool = True) -> dict[str, Any]:
     path = os.path.join(workdir, f"async-{mode_name}" + (".dcp" if mode_name == "dcp" else ".pt"))
     mode: Mode
     if mode_name == "none":
         mode = Mode(path)
     elif mode_name == "disk":
-        mode = DiskOnly(path, tr, engine_options)
+        mode = DiskOnly(path, tr, engine_options, huge=floor_huge)
     elif mode_name == "torch":
         mode = TorchSync(path)
     elif mode_name == "lightning":
@@ -489,7 +501,8 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
 
     def run(m: str, rnd: int) -> dict[str, Any]:
         log(f"  round {rnd + 1}/{rounds}: {LABELS[m]} ...")
-        r = run_mode(m, tr, workdir, args.iters, args.warmup, eng)
+        r = run_mode(m, tr, workdir, args.iters, args.warmup, eng,
+                     floor_huge=getattr(args, "floor_pages", "huge") == "huge")
         # one line per run as it ends: a run cut short by a time limit still leaves its figures
         log(f"    {m}: step median {r['median_step']:.3f} s, total {r['total_seconds']:.2f} s, blocked/ckpt "
             f"{r['blocked_per_ckpt']:.3f} s, warm-up {r['warmup_seconds']:.2f} s, drain {r['drain_seconds']:.2f} s"

@@ -116,14 +116,16 @@ def test_slowdown_target_says_whether_the_run_settles_it():
     assert notes["snapshot"] == "median's 97% CI +1.0..+9.0%: not settled by this run"
 
 
-def test_disk_floor_writes_the_checkpoints_bytes(tmp_path):
-    from fp_core.tools.bench_async import DiskOnly, Trainer
+@pytest.mark.parametrize("huge", [True, False])
+def test_disk_floor_writes_the_checkpoints_bytes(tmp_path, huge):
+    from fp_core.tools.bench_async import HUGE_PAGE, DiskOnly, Trainer
     from fp_core.tools.common import tensors_in
 
     tr = Trainer(64, 2, 8)
     tr.step()
     path = str(tmp_path / "floor.bin")
-    mode = DiskOnly(path, tr, {})
+    mode = DiskOnly(path, tr, {}, huge=huge)
+    assert mode.buf.data_ptr() % (HUGE_PAGE if huge else 4096) == 0
     expected = b"".join(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                         for t in tensors_in(tr.state()))
     assert mode.nbytes == len(expected) > 0
