@@ -288,33 +288,51 @@ def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
 
 
 def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
-                options: EngineOptions, stats: RangeStats) -> list[PieceCrc]:
+                options: EngineOptions, stats: RangeStats,
+                carry: list[StorageExtent] | None = None) -> list[PieceCrc]:
     """Write the plan's bytes in [start, end); return the CRC of every storage piece written.
 
     With ``plan.cut`` (an overlap save whose fence may copy the rest), the range is
     written in the cut's batches, each claimed first: from live memory, or from the copies
-    the fence made of it."""
+    the fence made of it. ``carry``: device storages staged here that run on past ``end``
+    are added to it, still staged, for the caller to write on from and release (without
+    it, released here)."""
     out: list[PieceCrc] = []
     congruence = max(engine.alignment, engine.mem_alignment)
     cut = plan.cut
     batches = ([(i, *cut.ranges[i]) for i in cut.index(start, end)] if cut is not None
                else [(None, lo, hi) for lo, hi in _batches(plan, start, end)])
-    for k, lo, hi in batches:
-        if k is not None:
-            cut.claim(k)
-        storages = plan.storages_in(lo, hi)
-        staged = _stage_device_storages(storages, stats)
-        try:
-            keep: list = []
-            rows = _extents(plan, storages, lo, hi, congruence, keep)
-            t0 = time.perf_counter()
-            crcs, native_stats = engine.write([r[:4] for r in rows], lo, hi, checksum=True, zero_copy=True)
-            stats.add(native_stats, time.perf_counter() - t0)
-        finally:
-            _release(staged)
-        if k is not None:
-            cut.done(k)
-        out.extend(PieceCrc(r[4].record, r[5], r[2], crc) for r, crc in zip(rows, crcs) if r[4] is not None)
+    # A device storage that runs on past its batch's end (a packed layout: batches are cut
+    # at blocks) keeps its staging copy for the next batch, not copied twice.
+    carried: list[StorageExtent] = []
+    try:
+        for k, lo, hi in batches:
+            if k is not None:
+                cut.claim(k)
+            storages = plan.storages_in(lo, hi)
+            staged = carried + _stage_device_storages(storages, stats)
+            carried = []
+            try:
+                keep: list = []
+                rows = _extents(plan, storages, lo, hi, congruence, keep)
+                t0 = time.perf_counter()
+                crcs, native_stats = engine.write([r[:4] for r in rows], lo, hi, checksum=True, zero_copy=True)
+                stats.add(native_stats, time.perf_counter() - t0)
+            except BaseException:
+                _release(staged)
+                raise
+            carried = [s for s in staged if s.offset + s.length > hi]
+            _release([s for s in staged if s.offset + s.length <= hi])
+            if k is not None:
+                cut.done(k)
+            out.extend(PieceCrc(r[4].record, r[5], r[2], crc) for r, crc in zip(rows, crcs) if r[4] is not None)
+    except BaseException:
+        _release(carried)
+        raise
+    if carry is not None:
+        carry.extend(carried)
+    else:
+        _release(carried)  # past this range's end: another range (a peer's, in a collective save) stages its own
     return out
 
 
@@ -445,8 +463,12 @@ def write_single(engine: _native.Engine, plan: FilePlan, options: EngineOptions,
     if early is not None:
         pieces, stats = early.result()  # the rest adds to the early write's stats
         start = early.end
-    pieces = pieces + write_range(engine, plan, start, plan.tail_start, options, stats)
-    write_tail(engine, plan, pieces, options, stats, on_body_written)
+    carry: list[StorageExtent] = []  # a device storage the body's end cuts: staged once for both
+    try:
+        pieces = pieces + write_range(engine, plan, start, plan.tail_start, options, stats, carry=carry)
+        write_tail(engine, plan, pieces, options, stats, on_body_written)
+    finally:
+        _release(carry)
     return stats
 
 
@@ -455,10 +477,15 @@ def write_tail(engine: _native.Engine, plan: FilePlan, body_pieces: list[PieceCr
     if plan.cut is not None:  # the tail's checksums read storage bytes too
         for k in plan.cut.index(plan.tail_start, plan.file_size):
             plan.cut.claim(k)
-    if plan.manifest is not None:
-        combine_piece_crcs(plan, body_pieces + tail_piece_crcs(plan))
-        finish_tail(plan)
-    write_range(engine, plan, plan.tail_start, plan.file_size, options, stats)
+    # The tail's device storages staged once, for its checksums and its write.
+    staged = _stage_device_storages(plan.storages_in(plan.tail_start, plan.file_size), stats)
+    try:
+        if plan.manifest is not None:
+            combine_piece_crcs(plan, body_pieces + tail_piece_crcs(plan))
+            finish_tail(plan)
+        write_range(engine, plan, plan.tail_start, plan.file_size, options, stats)
+    finally:
+        _release(staged)
     if on_body_written is not None:
         on_body_written()
     engine.truncate(plan.file_size)

@@ -554,6 +554,10 @@ def test_write_single_of_a_safetensors_plan_with_device_storages(disk_dir, monke
         fp_core.writer.write_single(engine, plan, options)
         engine.sync()
     assert st.held == 0
+    assert len(fp_core.writer._batches(plan, 0, plan.tail_start)) > 1  # packed tensors span batch cuts
+    staged = [n for _, n, device, _ in st.events if device]
+    assert sorted(staged) == sorted(s.length for s in plan.storages), "a device tensor was staged twice"
+    assert st.peak <= 2 * max(fp_core.writer.DEVICE_BATCH_BYTES, max(staged))
     got = load_file(path)
     assert all(torch.equal(got[k], t) for k, t in tensors.items())
 
