@@ -17,6 +17,8 @@ VM's disk hits all alike:
     fp_core.save       the whole save; its serialize and engine.write times are printed too
     save, plan first   the whole save without the early write (fp_core.early_write): the
                        plan made before the first byte is written
+    save, congruent    the whole save laid out congruent to the tensors' addresses (the async
+                       pipeline's layout) and written zero-copy from torch's memory
 
 Ratios are medians of per-round ratios to the device row.
 
@@ -38,6 +40,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fp_core import _native, early_write, save  # noqa: E402
+from fp_core.api import prepare  # noqa: E402
 from fp_core.plan import build  # noqa: E402
 from fp_core.sizes import parse_size  # noqa: E402
 from fp_core.tools.bench import _aligned_buffer, make_state_dict, settle  # noqa: E402
@@ -120,6 +123,11 @@ def main() -> None:
         finally:
             early_write.MIN_BYTES = saved
 
+    def fp_save_congruent() -> float:
+        t0 = time.perf_counter()
+        prepare(sd, os.path.join(a.dir, "gap.pt"), congruent=True).run()
+        return time.perf_counter() - t0
+
     rows: dict[str, Callable[[], float]] = {
         "device": lambda: engine_write(raw, one, buf.nbytes, checksum=False, zero_copy=True),
         "staged+crc": lambda: engine_write(raw, one, buf.nbytes, checksum=True, zero_copy=False),
@@ -128,6 +136,7 @@ def main() -> None:
         "extents": lambda: engine_write(raw, ext, end, checksum=True, zero_copy=True),
         "fp_core.save": fp_save,
         "save, plan first": fp_save_plan_first,
+        "save, congruent": fp_save_congruent,
     }
     if a.only:
         wanted = {"device", *a.only}

@@ -20,9 +20,13 @@ from .local import LocalSave
 from .sharded import is_sharded
 from .stats import SaveStats
 
-# A synchronous save of at most this many bytes (a fraction of a second of writing) runs
-# whole with the garbage collector paused; a larger one only while it is serialised.
-GC_PAUSED_SAVE_BYTES = 256 << 20
+# A synchronous save of at most this many bytes (a few seconds of writing) runs whole with
+# the garbage collector paused, its write included: the early write's books (engine rows,
+# checksum pieces) allocate on a thread while the disk writes, and a full collection there
+# (tens of milliseconds over a large process) lands on the save's critical path. A larger
+# save is paused only while it is serialised, so that cycles other threads make are not
+# held for longer.
+GC_PAUSED_SAVE_BYTES = 16 << 30
 
 
 def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = None, *, format: str = "torch",

@@ -93,3 +93,41 @@ def test_a_save_keeps_no_storage_alive_for_the_collector(disk_dir, restore_gc):
     fp_core.save(state, os.path.join(disk_dir, "freed.pt"))
     del state
     assert all(r.expired() for r in refs)
+
+
+@pytest.mark.parametrize("paused_up_to", [None, 1 << 20])
+def test_a_save_written_early_on_a_thread_runs_whole_within_the_pause(disk_dir, restore_gc, monkeypatch, paused_up_to):
+    """A save large enough to be written while it is pickled (the early write's thread
+    allocates its books during the write): no collection runs anywhere in the process
+    while that thread writes, up to GC_PAUSED_SAVE_BYTES; above that, only the
+    serialisation is paused."""
+    import fp_core.api
+    from fp_core import early_write
+
+    if paused_up_to is not None:
+        monkeypatch.setattr(fp_core.api, "GC_PAUSED_SAVE_BYTES", paused_up_to)
+    # 288 MiB: above the bound this pause had before it covered the write (256 MiB)
+    state = {f"w{i}": torch.zeros(early_write.MIN_BYTES // 4) for i in range(9)}
+    state.update({f"b{i}": torch.randn(16) for i in range(500)})
+    collections: list[str] = []
+
+    def seen(phase, info):  # a collection while the early write's thread is writing
+        if phase == "start" and any(t.name == "fastpersist-early-write" for t in threading.enumerate()):
+            collections.append(threading.current_thread().name)
+
+    old = gc.get_threshold()
+    gc.enable()
+    gc.set_threshold(50, 1, 1)  # a collection every few allocations wherever the collector runs
+    gc.callbacks.append(seen)
+    try:
+        st = fp_core.save(state, os.path.join(disk_dir, "big.pt"))
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*old)
+    assert gc.isenabled()
+    assert st.bytes > 2 * early_write.MIN_BYTES
+    if paused_up_to is None:
+        assert collections == [], f"collections ran during the save: {collections[:5]}"
+    else:
+        assert collections, "above the bound the write runs with the collector on (the test would be blind)"
+    fp_core.verify(os.path.join(disk_dir, "big.pt"))
