@@ -316,6 +316,7 @@ class AsyncCheckpointer:
         self._save_jobs: list[Handle] = []  # jobs queued with enqueue(save=True), not finished
         self._arenas: list[Arena] = []
         self._warm_failed = False  # no memory for one: auto stays on overlap
+        self._warming: list[tuple[int, bool]] = []  # (need, pin) of arena warm-ups queued or running
         self._last_policy = ""  # the policy of the last save: auto lays the next one out for it
         self._draining = False  # wait() is draining the queue: a warm-up not begun is skipped
         self._thread: threading.Thread | None = None
@@ -401,7 +402,7 @@ class AsyncCheckpointer:
         warm: tuple[int, bool] | None = None
         with self._cv:
             busy = bool(self._saves)  # its arena comes back when it ends
-            warming = self._jobs_where(internal=True)  # an arena's warm-up queued or running
+            warming = list(self._warming)  # arenas whose warm-up is queued or running
         # auto and no warm arena: this save with overlap, and an arena warmed after it,
         # sized as _take_arena will ask (every copy, small first). Also with saves in
         # flight (max_in_flight > 1): a snapshot into a fresh arena would hold the fence
@@ -412,7 +413,9 @@ class AsyncCheckpointer:
             if not self._arena_ready(need, pin):
                 policy = "overlap"
                 prepared.stats.extra["policy_reason"] = "snapshot arena not yet warm"
-                if not (self._warm_failed or warming):
+                # one warm-up per size asked for: the files of one checkpoint (an HF model
+                # and its optimizer) each need theirs by the next checkpoint
+                if not self._warm_failed and not any(n >= need and p == pin for n, p in warming):
                     warm = (need, pin)
         self._last_policy = policy
         arena = self._cpu_work_now(prepared, policy, small, big)
@@ -446,6 +449,7 @@ class AsyncCheckpointer:
             self._saves.append(handle)
             self._jobs.append((handle, run))
             if warm is not None:
+                self._warming.append(warm)
                 self._jobs.append((Handle("warm snapshot arena", internal=True), lambda: self._warm_arena(*warm)))
             self._ensure_worker()
             self._cv.notify_all()
@@ -853,10 +857,13 @@ class AsyncCheckpointer:
             self._huge_pool.submit(lambda: None).result()
 
     def _free_arena(self, need: int, pin: bool, warm: bool = False) -> int | None:
-        """Index of a free arena of at least ``need`` bytes (``warm``: every page touched).
-        Call with ``_cv`` held."""
-        return next((i for i, a in enumerate(self._arenas)
-                     if a.buf.numel() >= need and a.pin == pin and not (warm and a.fresh)), None)
+        """Index of the smallest free arena of at least ``need`` bytes (``warm``: every page
+        touched). The smallest: the files of one checkpoint (an HF model and its optimizer)
+        each have an arena of their size, and the first file taking the largest would leave
+        the next a fresh one to fault in inside ``save()``. Call with ``_cv`` held."""
+        fits = [(a.buf.numel(), i) for i, a in enumerate(self._arenas)
+                if a.buf.numel() >= need and a.pin == pin and not (warm and a.fresh)]
+        return min(fits)[1] if fits else None
 
     def _take_arena(self, extents: list[StorageExtent], huge: bool | None = None) -> Arena:
         """A free arena for ``extents``, else a new one (``huge``: on huge pages; default
@@ -880,6 +887,9 @@ class AsyncCheckpointer:
         try:
             if self._draining:
                 return
+            with self._cv:
+                if self._free_arena(need, pin, warm=True) is not None:
+                    return  # one came back warm meanwhile (a snapshot filled a fresh one)
             arena = Arena(need, pin, huge=self.huge_pages)
             # On this thread alone (a strided zero_() also ran on torch's intra-op threads:
             # no faster where fresh memory is slow to fault in, more CPU; native doc).
@@ -891,6 +901,9 @@ class AsyncCheckpointer:
             self._warm_failed = True
             log.warning("fastpersist: could not prepare a %d-byte snapshot arena (%s: %s); auto keeps the overlap "
                         "policy", need, type(e).__name__, e)
+        finally:
+            with self._cv:
+                self._warming.remove((need, pin))
 
     def _keep_cut_arena(self, cut: FenceCut) -> None:
         """On the writer, after a save whose fence copied into ``cut.arena``: keep it for

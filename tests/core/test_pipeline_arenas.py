@@ -63,6 +63,42 @@ def test_auto_writes_with_overlap_until_a_snapshot_arena_is_warm(disk_dir):
         assert_identical(obj, fp_core.load(os.path.join(disk_dir, name), verify=True))
 
 
+def test_each_file_of_a_checkpoint_gets_a_warm_arena_of_its_size(disk_dir, monkeypatch):
+    """An HF checkpoint saves a model and its (twice as large) optimizer state back to back
+    (max_in_flight above 1): the first checkpoint asks an arena warm-up for each, and from
+    the second on each file snapshots into a warm arena of its size, none faulted in inside
+    save() (the model taking the optimizer's arena left the optimizer a fresh one there)."""
+    import fp_core.pipeline
+
+    made: list[tuple[str, int]] = []
+    real = fp_core.pipeline.Arena
+
+    def arena(nbytes, pin, huge=False):
+        made.append((threading.current_thread().name, nbytes))
+        return real(nbytes, pin, huge=huge)
+
+    monkeypatch.setattr(fp_core.pipeline, "Arena", arena)
+    model = {"w": torch.randn(4 * MiB // 4), "b": torch.randn(6 * MiB // 4)}
+    optim = {"m": torch.randn(8 * MiB // 4), "v": torch.randn(12 * MiB // 4)}
+    stats = []
+    with AsyncCheckpointer(max_in_flight=8) as ckpt:
+        for step in range(3):
+            made.clear()
+            for name, state in (("model", model), ("optim", optim)):
+                stats.append((step, name, ckpt.save(state, os.path.join(disk_dir, f"{name}{step}.pt"))))
+            for _, _, h in stats[-2:]:
+                h.result()
+            _writer_idle(ckpt)  # and its arenas' warm-ups (wait() would skip those not begun)
+            if step:
+                assert all(thread != "MainThread" for thread, _ in made), f"arenas made inside save(): {made}"
+        assert len(ckpt._arenas) == 2
+    policies = {(step, name): h.result().policy for step, name, h in stats}
+    assert policies == {(0, "model"): "overlap", (0, "optim"): "overlap", (1, "model"): "snapshot",
+                        (1, "optim"): "snapshot", (2, "model"): "snapshot", (2, "optim"): "snapshot"}
+    for step in range(3):
+        assert_identical(optim, fp_core.load(os.path.join(disk_dir, f"optim{step}.pt"), verify=True))
+
+
 def test_wait_skips_an_arena_warm_up_not_yet_begun(disk_dir):
     """A warm-up still queued when wait() drains is dropped (durability does not need
     it); the next save asks for it again."""
