@@ -236,6 +236,25 @@ static int populate_supported(void)
     return known;
 }
 
+/* MADV_POPULATE_* holds the process's mmap lock (for reading) for as long as the call
+ * runs: every mmap, munmap or mprotect of every other thread waits for it (a training
+ * step's large allocations, io_uring setting up a ring), and faulting in fresh memory on
+ * this VM takes seconds per GB.  So it goes a piece at a time, the lock free in between. */
+#define POPULATE_PIECE (2u << 20)
+
+static int populate_pieces(uintptr_t lo, uintptr_t hi, int advice)
+{
+    while (lo < hi) {
+        uintptr_t next = (lo + POPULATE_PIECE) & ~(uintptr_t)(HUGE_SZ - 1); /* ends on a huge page */
+        if (next <= lo || next > hi)
+            next = hi;
+        if (madvise((void *)lo, next - lo, advice))
+            return errno;
+        lo = next;
+    }
+    return 0;
+}
+
 int fp_populate(uint64_t addr, uint64_t n, int write, char *msg, size_t cap)
 {
     if (addr > UINT64_MAX - 4096 || n > UINT64_MAX - 4096 - addr) { /* hi below must not wrap */
@@ -248,8 +267,9 @@ int fp_populate(uint64_t addr, uint64_t n, int write, char *msg, size_t cap)
     if (n == 0)
         return 0;
     if (!write) { /* no touching fallback: a touch past a file's end is a SIGBUS, the advice an EFAULT */
-        if (madvise((void *)lo, hi - lo, MADV_POPULATE_READ))
-            return errno;
+        int rc = populate_pieces(lo, hi, MADV_POPULATE_READ);
+        if (rc)
+            return rc;
         /* Then read a byte of every page: on a VM, the first access of a page the disk
          * filled still waits for the host to map it for this guest (benchmarks/README.md),
          * and paid here it runs on the populating threads, beside the reads of other ranges,
@@ -262,7 +282,7 @@ int fp_populate(uint64_t addr, uint64_t n, int write, char *msg, size_t cap)
         return 0;
     }
     if (populate_supported())
-        return madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE) ? errno : 0;
+        return populate_pieces(lo, hi, MADV_POPULATE_WRITE);
     /* a kernel without it: touch instead */
     volatile unsigned char *p = (volatile unsigned char *)(uintptr_t)addr;
     for (uint64_t off = 0; off < n; off += page - ((uintptr_t)(p + off) & (page - 1)))

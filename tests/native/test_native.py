@@ -770,6 +770,44 @@ def test_populate_faults_every_page_in_and_keeps_the_bytes():
         m.close()
 
 
+def test_populate_lets_other_threads_map_memory_while_it_runs():
+    """MADV_POPULATE_* holds the process's mmap lock while it runs: one call over an arena
+    held every other thread's mmap and munmap (a training step's allocations) until the
+    whole arena was faulted in, seconds on a VM backing fresh memory. Populated a piece at
+    a time, a map made meanwhile waits for a piece, not for the rest of the populate."""
+    import mmap
+    import threading
+    import time
+
+    n = 1024 * MiB  # zeroing it alone takes tens of milliseconds
+    m, addr = _anonymous_map(n)
+    started, done = threading.Event(), threading.Event()
+    waits: list[float] = []
+
+    def mapper() -> None:
+        started.wait()
+        time.sleep(0.005)  # populate is in the kernel by now
+        while not done.is_set() and len(waits) < 1000:
+            t0 = time.perf_counter()
+            x = mmap.mmap(-1, MiB)  # takes the mmap lock for writing
+            x.close()
+            waits.append(time.perf_counter() - t0)
+
+    t = threading.Thread(target=mapper)
+    t.start()
+    try:
+        started.set()
+        t0 = time.perf_counter()
+        _native.populate(addr, n)
+        took = time.perf_counter() - t0
+    finally:
+        done.set()
+        t.join()
+        m.close()
+    assert waits and max(waits) < took / 2, \
+        f"a map waited {max(waits) * 1e3:.1f} ms of a {took * 1e3:.1f} ms populate ({len(waits)} maps)"
+
+
 def test_populate_of_memory_it_cannot_write_raises_instead_of_crashing():
     import ctypes
     import mmap
