@@ -64,7 +64,10 @@ from .integrity import CheckpointFile
 from .local import rename_os_error
 from .plan import FilePlan, StorageExtent, align_up, byte_view
 from .skeleton import SparseFile, capture
-from .writer import RangeStats, write_range
+
+# record_ready / device_work_after, public here: for a state whose device tensors the
+# caller's thread copied and a worker writes with DCP later (Lightning's FSDP1 path).
+from .writer import RangeStats, device_work_after, record_ready, write_range
 
 METADATA = ".metadata"
 DATA_SUFFIX = ".distcp"
@@ -744,4 +747,5 @@ def inspect_dir(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
-__all__ = ["FastPersistWriter", "FastPersistReader", "verify_dir", "verify_extra_files", "inspect_dir", "is_checkpoint_dir", "staging_path"]
+__all__ = ["FastPersistWriter", "FastPersistReader", "verify_dir", "verify_extra_files", "inspect_dir", "is_checkpoint_dir", "staging_path",
+           "record_ready", "device_work_after"]

@@ -495,9 +495,8 @@ class _FastPersistIOImpl:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from fp_core.dcp import FastPersistWriter
+        from fp_core.dcp import FastPersistWriter, device_work_after, record_ready
         from fp_core.distributed import coordination_group
-        from fp_core.writer import device_work_after, record_ready
 
         ckpt = self._checkpointer()
         group = coordination_group(None)
