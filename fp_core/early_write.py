@@ -59,6 +59,7 @@ class EarlyWrite:
         self.end = 0  # bytes below this are written early (final once the plan is made)
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
+        self._out = threading.Event()  # the writing thread is out of the file for good
         self._thread: threading.Thread | None = None
         self._closed = False
         self._cancelled = False  # the save is failing: batches not begun are skipped
@@ -129,6 +130,12 @@ class EarlyWrite:
 
     # -- the writing thread ------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._drain()
+        finally:
+            self._out.set()
+
+    def _drain(self) -> None:
         while True:
             item = self._batches.get()
             if item is None:
@@ -203,10 +210,13 @@ class EarlyWrite:
         thread = self._thread
         if thread is None:
             return
+        # Waited for on an event the thread sets on its way out, not by join(): on Python
+        # 3.11 a join() that Ctrl-C interrupts marks the thread as stopped (it releases the
+        # running thread's own state lock), and is_alive() then says False while it writes.
         interrupted: BaseException | None = None
-        while thread.is_alive():
+        while not self._out.is_set():
             try:
-                thread.join()
+                self._out.wait()
             except BaseException as e:  # noqa: BLE001 - raised below, once the thread is out
                 interrupted = interrupted or e
                 self._cancelled = True

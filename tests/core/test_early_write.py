@@ -175,7 +175,12 @@ def test_a_state_changed_between_the_two_pickles_is_written_anew(disk_dir, early
 
 
 def _early_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "fastpersist-early-write" and t.is_alive()]
+    """Early-write threads still running a moment after the save returned (a thread ends
+    just after it signals that it is out of the file)."""
+    threads = [t for t in threading.enumerate() if t.name == "fastpersist-early-write"]
+    for t in threads:
+        t.join(5)
+    return [t for t in threads if t.is_alive()]
 
 
 def test_a_failing_pickle_waits_for_the_early_write_and_keeps_the_old_file(disk_dir, early_from_1mib, monkeypatch):
@@ -248,15 +253,38 @@ def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1m
     interrupt is what the caller gets, once the thread is out of the file; no temporary
     file stays and the previous checkpoint is intact."""
     import signal
+    import time
 
     path, old = _slow_early_writes(disk_dir, monkeypatch, 0.4)
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    batches: list[tuple[float, float]] = []  # when each early batch began and ended, from the save's start
+    slow = early_write.write_range
+
+    def timed(*a):
+        began = time.perf_counter() - t0
+        try:
+            return slow(*a)
+        finally:
+            batches.append((began, time.perf_counter() - t0))
+
+    monkeypatch.setattr(early_write, "write_range", timed)
+    state = _state()
+    # To the main thread: a signal the kernel hands to another thread would not wake the
+    # main one out of its join (it would be raised only once the join returns).
+    timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    t0 = time.perf_counter()
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            fp_core.save(_state(), path)
+            fp_core.save(state, path)
+    except pytest.fail.Exception as e:  # say what the save did instead
+        raise AssertionError(f"no interrupt: the save returned after {time.perf_counter() - t0:.3f} s, "
+                             f"early batches (began, ended) at {batches}") from e
     finally:
         timer.cancel()
+    raised = time.perf_counter() - t0
+    # raised once the thread was out of the file: every batch it began had ended (on 3.11 an
+    # interrupted join() took the running thread for stopped, and the save raised under it)
+    assert batches and all(end <= raised for _, end in batches), (raised, batches)
     assert not _early_threads()
     assert sorted(os.listdir(disk_dir)) == ["s.pt"]
     assert_identical(old, fp_core.load(path, verify=True))
