@@ -108,21 +108,35 @@ class _FaultAhead:
     def __init__(self, addr: int, length: int) -> None:
         self._addr, self._length = addr, length
         self._stopped = threading.Event()
+        self._out = threading.Event()  # the thread no longer touches the buffer
         self._thread = threading.Thread(target=self._run, name="fastpersist-fault-ahead", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        for off in range(0, self._length, self.STEP):
-            if self._stopped.is_set():
-                return
-            try:
-                _native.populate(self._addr + off, min(self.STEP, self._length - off))
-            except OSError:
-                return  # the reads fault the pages in themselves
+        try:
+            for off in range(0, self._length, self.STEP):
+                if self._stopped.is_set():
+                    return
+                try:
+                    _native.populate(self._addr + off, min(self.STEP, self._length - off))
+                except OSError:
+                    return  # the reads fault the pages in themselves
+        finally:
+            self._out.set()
 
     def stop(self) -> None:
+        """Stop and wait until the thread no longer touches the buffer (it must never
+        outlive it). Waited for on an event, not by join(): on Python 3.11 a join() that
+        Ctrl-C interrupts takes the thread for stopped; the interrupt is raised after."""
         self._stopped.set()
-        self._thread.join()  # never outlives the buffer
+        interrupted: BaseException | None = None
+        while not self._out.is_set():
+            try:
+                self._out.wait()
+            except BaseException as e:  # noqa: BLE001 - raised below, once the thread is out
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
 
 def read_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap:
