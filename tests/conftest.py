@@ -176,6 +176,22 @@ def ro_bind(disk_dir) -> Iterator:
 # ---------------------------------------------------------------- native fault hook
 
 
+@pytest.fixture
+def ctrl_c():
+    """A function that sends SIGINT to the main thread (as Ctrl-C would, to the thread that
+    waits), with Python's KeyboardInterrupt handler installed for the test: a process
+    started in the background by a non-interactive shell inherits SIGINT ignored, and
+    Python then installs no handler (the CI run here is such a process)."""
+    import signal
+    import threading
+
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield lambda: signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _native_module():
     from fp_core import _native
 

@@ -248,11 +248,10 @@ def _slow_early_writes(disk_dir: str, monkeypatch, seconds: float) -> tuple[str,
     return path, old
 
 
-def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1mib, monkeypatch):
+def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1mib, monkeypatch, ctrl_c):
     """SIGINT lands while the save waits for its early write (most of a large save): the
     interrupt is what the caller gets, once the thread is out of the file; no temporary
     file stays and the previous checkpoint is intact."""
-    import signal
     import time
 
     path, old = _slow_early_writes(disk_dir, monkeypatch, 0.4)
@@ -269,8 +268,8 @@ def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1m
     monkeypatch.setattr(early_write, "write_range", timed)
     state = _state()
     # To the main thread: a signal the kernel hands to another thread would not wake the
-    # main one out of its join (it would be raised only once the join returns).
-    timer = threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    # main one out of its wait (it would be raised only once the wait returns).
+    timer = threading.Timer(0.2, ctrl_c)
     t0 = time.perf_counter()
     timer.start()
     try:

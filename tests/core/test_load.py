@@ -318,11 +318,10 @@ def test_load_with_computed_storage_offsets_still_reads_async_layout_files(disk_
         assert_identical(fp_core.load(path, weights_only=True, verify=True), m.state_dict())
 
 
-def test_fault_ahead_stop_interrupted_by_ctrl_c_waits_until_its_thread_is_off_the_buffer(monkeypatch):
+def test_fault_ahead_stop_interrupted_by_ctrl_c_waits_until_its_thread_is_off_the_buffer(monkeypatch, ctrl_c):
     """The load's fault-ahead thread must never outlive the buffer it faults in: a Ctrl-C
     that interrupts stop() is raised only once the thread is out (on Python 3.11 an
     interrupted join() took the running thread for stopped and returned at once)."""
-    import signal
     import threading
     import time
     import types
@@ -340,7 +339,7 @@ def test_fault_ahead_stop_interrupted_by_ctrl_c_waits_until_its_thread_is_off_th
     monkeypatch.setattr(file_image, "_native", types.SimpleNamespace(populate=slow_populate))
     fa = file_image._FaultAhead(0, 1 << 20)  # the address is never touched: populate is the stand-in
     time.sleep(0.05)  # the thread is inside its populate
-    timer = threading.Timer(0.05, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+    timer = threading.Timer(0.05, ctrl_c)
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
