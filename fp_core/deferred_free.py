@@ -124,12 +124,15 @@ def pin(path: str) -> Pinned:
             _pin_file(p, path, st.st_dev)
     elif stat.S_ISDIR(st.st_mode):
         visited = 0
-        for root, _dirs, names in os.walk(path):  # os.walk does not follow links to directories
+        # Walked by directory descriptors, links not followed: a directory that whoever can
+        # write into the checkpoint's swaps for a link mid-walk is not entered (a walk by
+        # path would open what the link names, outside the checkpoint).
+        for _root, _dirs, names, root_fd in os.fwalk(path):
             for name in names:
                 visited += 1
                 if len(p.files) >= MAX_FILES or visited > MAX_VISITED:
                     return p
-                _pin_file(p, os.path.join(root, name), st.st_dev)
+                _pin_file(p, name, st.st_dev, dir_fd=root_fd)
     return p
 
 
@@ -143,12 +146,12 @@ def pinned(path: str) -> Iterator[Pinned]:
         p.free_later()
 
 
-def _pin_file(p: Pinned, path: str, dev: int) -> None:
+def _pin_file(p: Pinned, path: str, dev: int, dir_fd: int | None = None) -> None:
     with _live_lock:
         if len(_live) >= MAX_LIVE:
             return
     try:
-        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError:
         return
     try:

@@ -69,6 +69,40 @@ def test_what_is_not_pinned(disk_dir):
     assert_identical(big_state(1.0), fp_core.load(big, verify=True))
 
 
+def test_a_directory_is_pinned_without_following_links_out_of_it(disk_dir, monkeypatch):
+    """A checkpoint directory is untrusted: a link in it to a file or directory elsewhere,
+    or a subdirectory swapped for such a link while the walk runs, pins nothing outside."""
+    outside = os.path.join(disk_dir, "outside")
+    os.makedirs(os.path.join(outside, "d"))
+    fp_core.save(big_state(2.0), os.path.join(outside, "secret.pt"))
+    fp_core.save(big_state(3.0), os.path.join(outside, "d", "other.pt"))
+    ckpt = os.path.join(disk_dir, "checkpoint-1")
+    os.makedirs(os.path.join(ckpt, "a"))
+    os.makedirs(os.path.join(ckpt, "z"))
+    fp_core.save(big_state(1.0), os.path.join(ckpt, "a", "model.pt"))
+    os.symlink(os.path.join(outside, "secret.pt"), os.path.join(ckpt, "file-link.pt"))
+    os.symlink(os.path.join(outside, "d"), os.path.join(ckpt, "dir-link"))
+    real = deferred_free._pin_file
+    swapped: list[str] = []
+
+    def pin_file_then_swap(p, name, dev, dir_fd=None):  # "z" becomes a link once the walk is under way
+        real(p, name, dev, dir_fd=dir_fd)
+        if not swapped:
+            os.rmdir(os.path.join(ckpt, "z"))
+            os.symlink(os.path.join(outside, "d"), os.path.join(ckpt, "z"))
+            swapped.append("z")
+
+    monkeypatch.setattr(deferred_free, "_pin_file", pin_file_then_swap)
+    p = deferred_free.pin(ckpt)
+    try:
+        assert swapped
+        pinned = {os.readlink(f"/proc/self/fd/{fd}") for fd, _, _ in p.files}
+        assert pinned == {os.path.join(ckpt, "a", "model.pt")}, pinned
+    finally:
+        p.free_later()
+        deferred_free.wait()
+
+
 def test_a_rotated_checkpoint_directory_frees_its_large_files_in_the_background(disk_dir):
     d = os.path.join(disk_dir, "checkpoint-10")
     os.makedirs(os.path.join(d, "sub"))
