@@ -69,7 +69,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from . import commit, integrity, loader
+from . import commit, deferred_free, integrity, loader
 from .errors import CorruptCheckpointError
 from .paths import is_remote, split
 from .sizes import parse_size
@@ -345,7 +345,8 @@ def _make_room(nbytes: int) -> None:
 def _drop_dir(d: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(d, _SIDECAR))  # invalid first, then gone
-    shutil.rmtree(d, ignore_errors=True)
+    with deferred_free.pinned(d):  # a large copy's blocks freed in the background
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def drop_cached(url: str) -> None:

@@ -286,6 +286,28 @@ def test_rename_filesystem_uses_temp_then_move(mem, tmp_path, staging, monkeypat
 # ---------------------------------------------------------------- local cache
 
 
+def test_a_replaced_cached_copy_is_freed_in_the_background(staging):
+    """keep_local: saving the same URL again replaces its cached copy; the old copy's
+    blocks are freed off the caller's path, as a replaced local checkpoint's are."""
+    from fp_core import deferred_free
+
+    url = f"memory://fp-cache-{uuid.uuid4().hex[:8]}/last.pt"
+    big = {"w": torch.full((6 << 20,), 1.0)}  # 24 MiB: above deferred_free.MIN_BYTES
+    first = fp_core.save(big, url, keep_local=True).extra["cached"]
+    with deferred_free.paused():
+        second = fp_core.save({"w": torch.full((6 << 20,), 2.0)}, url, keep_local=True).extra["cached"]
+        assert second == first and os.path.isfile(second)  # the same place, the new copy
+        if deferred_free.fs_type(os.stat(staging).st_dev) not in deferred_free.PINNED_FS:
+            pytest.skip("the staging directory is on a filesystem deferred_free does not pin")
+        held = [fd for fd in os.listdir("/proc/self/fd")
+                if os.path.realpath(f"/proc/self/fd/{fd}").startswith(first) and
+                os.readlink(f"/proc/self/fd/{fd}").endswith("(deleted)")]
+        assert len(held) == 1, "the old cached copy was not pinned for a background free"
+    deferred_free.wait()
+    assert_identical(fp_core.load(url, keep_local=True), {"w": torch.full((6 << 20,), 2.0)})
+
+
+
 def test_keep_local_cache(s3, staging, monkeypatch, caplog):
     srv, bucket, opts = s3
     url = f"{bucket}/k/last.ckpt"
