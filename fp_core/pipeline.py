@@ -765,7 +765,9 @@ class AsyncCheckpointer:
             # copied in the background.
             copied = small_cpu + (big if policy == "snapshot" else [])
             if copied:
-                arena = self._take_arena(copied)
+                # only small tensors, copied here: a new arena for them on 4 KiB pages, as the
+                # fence's (a fresh huge page faults in far slower, on the training thread)
+                arena = self._take_arena(copied, huge=False if policy != "snapshot" else None)
                 carved = dict(zip(map(id, copied), arena.carve(copied)))
                 arena.slots = carved
                 # A new arena's first fill faults in every page (slow: see the module doc):

@@ -188,3 +188,22 @@ def test_a_copy_alone_keeps_the_checksums_an_extent_had(disk_dir):
     assert torch.equal(dst, src) and ext.host_crcs == taken  # not the changed bytes' checksums
     with pytest.raises(ValueError):
         stage_cpu([ext], None, checksum=False)
+
+
+def test_a_new_arena_for_small_copies_made_inside_save_is_on_4k_pages(disk_dir):
+    """An overlap save copies its small tensors inside save(), on the training thread: a new
+    arena for them is not advised onto huge pages (a fresh huge page faults in far slower,
+    as the fence's arena); arenas the writer warms are."""
+    small = {f"b{i}": torch.randn(64 * 1024) for i in range(48)}  # 256 KiB each: copied at save
+    with AsyncCheckpointer(policy="overlap") as ckpt:
+        st = ckpt.save(dict(small, big=torch.randn(4 * MiB)), os.path.join(disk_dir, "o.pt")).result()
+        (arena,) = ckpt._arenas
+    assert st.extra["at_save_bytes"] >= 48 * 256 * 1024
+    assert arena.huge_bytes == 0
+    with AsyncCheckpointer() as ckpt:  # auto: the arena warmed on the writer for the snapshots
+        ckpt.save(dict(small, big=torch.randn(4 * MiB)), os.path.join(disk_dir, "a.pt")).result()
+        _writer_idle(ckpt)
+        warmed = max(ckpt._arenas, key=lambda a: a.buf.numel())
+    from fp_core import _native
+    probe = _native.advise_huge(warmed.buf.data_ptr(), warmed.buf.numel())  # 0 where THP is off
+    assert warmed.huge_bytes == probe
