@@ -47,3 +47,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from rank_exit import finish
+
+    finish()  # see rank_exit: torch's teardown of FSDP2 ranks aborts now and then
