@@ -30,6 +30,7 @@ from .engine import EngineOptions
 from .plan import FilePlan, StorageExtent, align_down
 from .skeleton import StoragesFirst, plain_skeleton, record_bytes, storage_alignment, torch_capture
 from .state_pickle import StorageEntry
+from .thread_wait import wait_until_out
 from .writer import PieceCrc, RangeStats, mark_ready, write_range
 
 log = logging.getLogger("fastpersist")
@@ -210,18 +211,10 @@ class EarlyWrite:
         thread = self._thread
         if thread is None:
             return
-        # Waited for on an event the thread sets on its way out, not by join(): on Python
-        # 3.11 a join() that Ctrl-C interrupts marks the thread as stopped (it releases the
-        # running thread's own state lock), and is_alive() then says False while it writes.
-        interrupted: BaseException | None = None
-        while not self._out.is_set():
-            try:
-                self._out.wait()
-            except BaseException as e:  # noqa: BLE001 - raised below, once the thread is out
-                interrupted = interrupted or e
-                self._cancelled = True
-        if interrupted is not None:
-            raise interrupted
+        wait_until_out(self._out, on_interrupt=self._cancel)  # not join(): see thread_wait
+
+    def _cancel(self) -> None:
+        self._cancelled = True
 
 
 __all__ = ["EarlyWrite", "MIN_BYTES", "MIN_BATCH"]

@@ -39,6 +39,7 @@ from . import _native, plain_unpickle, read_depth
 from .errors import CorruptCheckpointError
 from .integrity import CheckpointFile, ManifestView, check_crc, check_records_against_zip, check_structure
 from .manifest import STRUCTURE, RecordInfo
+from .thread_wait import wait_until_out
 
 _PAGE = mmap.PAGESIZE
 
@@ -126,17 +127,9 @@ class _FaultAhead:
 
     def stop(self) -> None:
         """Stop and wait until the thread no longer touches the buffer (it must never
-        outlive it). Waited for on an event, not by join(): on Python 3.11 a join() that
-        Ctrl-C interrupts takes the thread for stopped; the interrupt is raised after."""
+        outlive it); on an event, not by join(): see :mod:`fp_core.thread_wait`."""
         self._stopped.set()
-        interrupted: BaseException | None = None
-        while not self._out.is_set():
-            try:
-                self._out.wait()
-            except BaseException as e:  # noqa: BLE001 - raised below, once the thread is out
-                interrupted = interrupted or e
-        if interrupted is not None:
-            raise interrupted
+        wait_until_out(self._out)
 
 
 def read_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap:
