@@ -31,7 +31,7 @@ from .plan import FilePlan, StorageExtent, align_down
 from .skeleton import StoragesFirst, plain_skeleton, record_bytes, storage_alignment, torch_capture
 from .state_pickle import StorageEntry
 from .thread_wait import wait_until_out
-from .writer import PieceCrc, RangeStats, mark_ready, write_range
+from .writer import PieceCrc, RangeStats, mark_ready, prepare_rows, write_range
 
 log = logging.getLogger("fastpersist")
 
@@ -116,8 +116,9 @@ class EarlyWrite:
                 mark_ready([extent])
             self._pending.append(extent)
 
-    def _offer(self) -> None:
-        """Hand the laid-out bytes not handed yet (to a block boundary) to the thread."""
+    def _offer(self, ahead: bool = False) -> None:
+        """Hand the laid-out bytes not handed yet (to a block boundary) to the thread;
+        ``ahead``: build their rows here if the thread is still writing (see _queue)."""
         lo, hi = self._offered, align_down(self.layout.end, self.alignment)
         if hi <= lo:
             return
@@ -125,8 +126,16 @@ class EarlyWrite:
         self._pending = [s for s in self._pending if s.end > hi]
         batch = FilePlan(file_size=hi, alignment=self.alignment, skeleton=self.layout.take(lo, hi),
                          storages=extents, manifest=None)
+        self._queue(batch, lo, hi, ahead)
+
+    def _queue(self, batch: FilePlan, lo: int, hi: int, ahead: bool) -> None:
+        # The caller builds a batch's rows only once it has nothing else to do (the pickle
+        # is made) and the thread is still writing: then the disk goes on to this batch
+        # without waiting for thousands of rows. While the pickle is made, or with the
+        # thread idle, the thread builds them beside the pickler.
+        rows = prepare_rows(self._engine, batch, lo, hi) if ahead and not self._idle.is_set() else None
         self._idle.clear()
-        self._batches.put((batch, lo, hi))
+        self._batches.put((batch, lo, hi, rows))
         self._offered = hi
 
     # -- the writing thread ------------------------------------------------------------
@@ -142,9 +151,10 @@ class EarlyWrite:
             if item is None:
                 return
             if self._error is None and not self._cancelled:  # else batches are only drained
-                batch, lo, hi = item
+                batch, lo, hi, rows = item
                 try:
-                    self._pieces.extend(write_range(self._engine, batch, lo, hi, self._options, self.stats))
+                    self._pieces.extend(write_range(self._engine, batch, lo, hi, self._options, self.stats,
+                                                    prepared=rows))
                 except BaseException as e:  # raised to the caller by result()
                     self._error = e
             if self._batches.empty():
@@ -176,9 +186,8 @@ class EarlyWrite:
             # decided on the storages found first, the rest would have decided otherwise (a
             # large tensor, then thousands of small ones): lay the file out as build() would
             return None
-        self._offer()  # the rest of the storages' bytes
+        self._offer(ahead=True)  # the rest of the storages' bytes
         self.end = self._offered
-        self._close()
         plan = plan_mod.from_skeleton(self.layout.finish(data), storages, names, self.alignment)
         records = plan.manifest.records
         early = {s.record: s.offset for s in plan.storages if s.offset < self.end}
@@ -187,6 +196,13 @@ class EarlyWrite:
             log.error("fastpersist: the storages' layout moved between the early write and the plan; "
                       "writing the checkpoint anew")
             return None
+        # The rest of the body (the pickle, torch's small records) goes on the same thread
+        # right after the storages, its rows built here: not in a separate call once the
+        # storages are written, which would leave the disk waiting for its setup.
+        if plan.tail_start > self.end:
+            self._queue(plan, self.end, plan.tail_start, ahead=True)
+            self.end = plan.tail_start
+        self._close()
         return plan
 
     def _close(self) -> None:

@@ -272,11 +272,12 @@ def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
     address modulo a page in the async layout, safetensors packs its tensors), and only
     device storages count towards a batch: CPU bytes are never staged whole.
     """
-    if all(s.on_cpu for s in plan.storages):
+    storages = plan.storages_in(start, end)  # not the whole plan's: a range may be a small part
+    if all(s.on_cpu for s in storages):
         return [(start, end)]
     cuts, acc = [start], 0
-    for s in plan.storages:
-        if s.on_cpu or s.offset <= start or s.offset >= end:
+    for s in storages:
+        if s.on_cpu or s.offset <= start:
             continue
         cut = align_down(s.offset, plan.alignment)
         if acc and acc + s.length > DEVICE_BATCH_BYTES and cut > cuts[-1]:
@@ -287,18 +288,52 @@ def _batches(plan: FilePlan, start: int, end: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+@dataclass
+class PreparedRows:
+    """The engine rows of one range, built ahead by :func:`prepare_rows`."""
+
+    start: int
+    end: int
+    rows: list[tuple]
+    keep: list  # what the rows' addresses point into (the skeleton's bytes)
+
+
+def _congruence(engine: _native.Engine) -> int:
+    return max(engine.alignment, engine.mem_alignment)
+
+
+def prepare_rows(engine: _native.Engine, plan: FilePlan, start: int, end: int) -> PreparedRows | None:
+    """The rows :func:`write_range` would build for [start, end), built now: on a thread
+    with nothing else to do while the writing thread is still busy, so that the disk does
+    not wait for thousands of rows between two ranges. None where they cannot be built
+    ahead: device storages get their host addresses when staged, and an overlap save's
+    cut claims its batches as they are written."""
+    if plan.cut is not None:
+        return None
+    storages = plan.storages_in(start, end)
+    if not all(s.on_cpu for s in storages):
+        return None
+    keep: list = []
+    return PreparedRows(start, end, _extents(plan, storages, start, end, _congruence(engine), keep), keep)
+
+
 def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
                 options: EngineOptions, stats: RangeStats,
-                carry: list[StorageExtent] | None = None) -> list[PieceCrc]:
+                carry: list[StorageExtent] | None = None,
+                prepared: PreparedRows | None = None) -> list[PieceCrc]:
     """Write the plan's bytes in [start, end); return the CRC of every storage piece written.
 
     With ``plan.cut`` (an overlap save whose fence may copy the rest), the range is
     written in the cut's batches, each claimed first: from live memory, or from the copies
     the fence made of it. ``carry``: device storages staged here that run on past ``end``
     are added to it, still staged, for the caller to write on from and release (without
-    it, released here)."""
+    it, released here). ``prepared``: this range's rows from :func:`prepare_rows`."""
+    if prepared is not None:
+        if (prepared.start, prepared.end) != (start, end):
+            raise ValueError(f"rows prepared for [{prepared.start}, {prepared.end}), not [{start}, {end})")
+        return _write_rows(engine, prepared.rows, start, end, stats)
     out: list[PieceCrc] = []
-    congruence = max(engine.alignment, engine.mem_alignment)
+    congruence = _congruence(engine)
     cut = plan.cut
     batches = ([(i, *cut.ranges[i]) for i in cut.index(start, end)] if cut is not None
                else [(None, lo, hi) for lo, hi in _batches(plan, start, end)])
@@ -315,9 +350,7 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
             try:
                 keep: list = []
                 rows = _extents(plan, storages, lo, hi, congruence, keep)
-                t0 = time.perf_counter()
-                crcs, native_stats = engine.write([r[:4] for r in rows], lo, hi, checksum=True, zero_copy=True)
-                stats.add(native_stats, time.perf_counter() - t0)
+                pieces = _write_rows(engine, rows, lo, hi, stats)
             except BaseException:
                 _release(staged)
                 raise
@@ -325,7 +358,7 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
             _release([s for s in staged if s.offset + s.length <= hi])
             if k is not None:
                 cut.done(k)
-            out.extend(PieceCrc(r[4].record, r[5], r[2], crc) for r, crc in zip(rows, crcs) if r[4] is not None)
+            out.extend(pieces)
     except BaseException:
         _release(carried)
         raise
@@ -334,6 +367,13 @@ def write_range(engine: _native.Engine, plan: FilePlan, start: int, end: int,
     else:
         _release(carried)  # past this range's end: another range (a peer's, in a collective save) stages its own
     return out
+
+
+def _write_rows(engine: _native.Engine, rows: list[tuple], lo: int, hi: int, stats: RangeStats) -> list[PieceCrc]:
+    t0 = time.perf_counter()
+    crcs, native_stats = engine.write([r[:4] for r in rows], lo, hi, checksum=True, zero_copy=True)
+    stats.add(native_stats, time.perf_counter() - t0)
+    return [PieceCrc(r[4].record, r[5], r[2], crc) for r, crc in zip(rows, crcs) if r[4] is not None]
 
 
 def _extents(plan: FilePlan, storages: list[StorageExtent], lo: int, hi: int, congruence: int,
@@ -465,7 +505,8 @@ def write_single(engine: _native.Engine, plan: FilePlan, options: EngineOptions,
         start = early.end
     carry: list[StorageExtent] = []  # a device storage the body's end cuts: staged once for both
     try:
-        pieces = pieces + write_range(engine, plan, start, plan.tail_start, options, stats, carry=carry)
+        if start < plan.tail_start:  # else the early write wrote the whole body
+            pieces = pieces + write_range(engine, plan, start, plan.tail_start, options, stats, carry=carry)
         write_tail(engine, plan, pieces, options, stats, on_body_written)
     finally:
         _release(carry)
@@ -491,4 +532,4 @@ def write_tail(engine: _native.Engine, plan: FilePlan, body_pieces: list[PieceCr
     engine.truncate(plan.file_size)
 
 
-__all__ = ["write_single", "write_range", "write_tail", "combine_piece_crcs", "align_down", "RangeStats"]
+__all__ = ["write_single", "write_range", "prepare_rows", "PreparedRows", "write_tail", "combine_piece_crcs", "align_down", "RangeStats"]

@@ -106,8 +106,8 @@ def _record_batches(monkeypatch) -> list[tuple[int, int]]:
     """The (lo, hi) of every batch the early write writes, in order (each still written)."""
     written: list = []
     real = early_write.write_range
-    monkeypatch.setattr(early_write, "write_range", lambda eng, plan, lo, hi, *a: written.append((lo, hi))
-                        or real(eng, plan, lo, hi, *a))
+    monkeypatch.setattr(early_write, "write_range", lambda eng, plan, lo, hi, *a, **k: written.append((lo, hi))
+                        or real(eng, plan, lo, hi, *a, **k))
     return written
 
 
@@ -150,6 +150,82 @@ def test_the_writing_goes_on_in_batches_as_storages_are_found(disk_dir, early_fr
     assert all(lo % 4096 == 0 and hi % 4096 == 0 for lo, hi in written)
     assert_identical(state, fp_core.load(path, verify=True))
     fp_core.verify(path)
+
+
+def test_the_whole_body_is_written_early_its_last_rows_built_while_the_thread_writes(
+        disk_dir, early_from_1mib, monkeypatch):
+    """Once the pickle is made, the storages' rest and then the pickle with torch's small
+    records go to the writing thread, their rows built by the caller while the thread is
+    still busy (the disk goes from batch to batch), and the save writes only the tail
+    after them."""
+    import time
+
+    from fp_core import writer
+
+    calls: list[tuple[int, int, bool, str]] = []  # (lo, hi, rows prepared, thread)
+    real = early_write.write_range
+
+    def slow(eng, plan, lo, hi, *a, prepared=None, **k):
+        calls.append((lo, hi, prepared is not None, threading.current_thread().name))
+        time.sleep(0.2)  # a slow disk: the thread is still writing when the pickle is made
+        return real(eng, plan, lo, hi, *a, prepared=prepared, **k)
+
+    monkeypatch.setattr(early_write, "write_range", slow)
+    built_by: list[str] = []
+    real_prepare = early_write.prepare_rows
+
+    def prepare(*a):
+        built_by.append(threading.current_thread().name)
+        return real_prepare(*a)
+
+    monkeypatch.setattr(early_write, "prepare_rows", prepare)
+    tails: list[tuple[int, int]] = []
+    real_range = writer.write_range
+    monkeypatch.setattr(writer, "write_range", lambda eng, plan, lo, hi, *a, **k: tails.append((lo, hi))
+                        or real_range(eng, plan, lo, hi, *a, **k))
+    state = _state()
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    assert len(calls) >= 3, calls
+    assert all(a[1] == b[0] for a, b in zip(calls, calls[1:])) and calls[0][0] == 0
+    assert calls[-1][2] and calls[-2][2], calls  # the last two came with their rows
+    assert built_by and set(built_by) == {"MainThread"}
+    assert {name for *_, name in calls} == {"fastpersist-early-write"}
+    body_end = calls[-1][1]
+    assert tails and all(lo >= body_end for lo, _ in tails), (tails, body_end)  # only the tail after
+    assert_identical(state, fp_core.load(path, verify=True))
+    fp_core.verify(path)
+
+
+def test_rows_prepared_ahead_write_the_same_bytes(disk_dir):
+    from fp_core import engine as engine_mod
+    from fp_core import writer
+
+    state = _state()
+    plan = plan_mod.build(state, 4096)
+    files = []
+    for ahead in (False, True):
+        path = os.path.join(disk_dir, f"ahead{ahead}.bin")
+        eng = engine_mod.open_engine(path, engine_mod.EngineOptions(), create=True)
+        try:
+            cut = plan.tail_start // 2 // 4096 * 4096
+            pieces = []
+            for lo, hi in ((0, cut), (cut, plan.tail_start)):
+                rows = writer.prepare_rows(eng, plan, lo, hi) if ahead else None
+                assert (rows is not None) == ahead
+                pieces += writer.write_range(eng, plan, lo, hi, engine_mod.EngineOptions(), writer.RangeStats(),
+                                             prepared=rows)
+            with pytest.raises(ValueError, match="prepared for"):
+                writer.write_range(eng, plan, 0, cut, engine_mod.EngineOptions(), writer.RangeStats(),
+                                   prepared=writer.prepare_rows(eng, plan, 0, 4096))
+            eng.sync()
+        finally:
+            eng.close()
+        with open(path, "rb") as f:
+            files.append((f.read(plan.tail_start), sorted((p.record, p.start, p.length, p.crc) for p in pieces)))
+    assert files[0] == files[1]
+    plan.cut = object()  # an overlap save's cut claims its batches as they are written
+    assert writer.prepare_rows(None, plan, 0, 4096) is None
 
 
 def test_a_state_changed_between_the_two_pickles_is_written_anew(disk_dir, early_from_1mib, monkeypatch):
@@ -240,9 +316,9 @@ def _slow_early_writes(disk_dir: str, monkeypatch, seconds: float) -> tuple[str,
     fp_core.save(old, path)
     real = early_write.write_range
 
-    def slow_disk(*args):
+    def slow_disk(*args, **kwargs):
         time.sleep(seconds)
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(early_write, "write_range", slow_disk)
     return path, old
@@ -258,10 +334,10 @@ def test_ctrl_c_while_the_early_write_runs_loses_nothing(disk_dir, early_from_1m
     batches: list[tuple[float, float]] = []  # when each early batch began and ended, from the save's start
     slow = early_write.write_range
 
-    def timed(*a):
+    def timed(*a, **k):
         began = time.perf_counter() - t0
         try:
-            return slow(*a)
+            return slow(*a, **k)
         finally:
             batches.append((began, time.perf_counter() - t0))
 
