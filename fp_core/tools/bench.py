@@ -635,6 +635,12 @@ def targets(rows: dict[str, Row]) -> list[dict[str, Any]]:
     if ok("fastpersist") and ok("device"):
         v = ratio("fastpersist", "device")
         out.append({"target": "(f) >= 0.9 x (a)", "value": round(v, 3), "pass": v >= 0.9})
+        # the form of the same target: single rounds of a noisy disk miss it now and then
+        per = [b / f for f, b in zip(rows["fastpersist"].seconds, rows["device"].seconds) if f > 0]
+        met = sum(x >= 0.9 for x in per)
+        out.append({"target": "(f) >= 0.9 x (a) in at least 4 of 5 rounds",
+                    "value": f"{met} of {len(per)} (" + " ".join(f"{x:.2f}" for x in per) + ")",
+                    "pass": met >= 0.8 * len(per)})
     if ok("fastpersist") and ok("torch"):
         v = ratio("fastpersist", "torch")
         out.append({"target": "(f) >= 3 x (b)", "value": round(v, 3), "pass": v >= 3.0})

@@ -29,6 +29,22 @@ def test_paired_ratio_pairs_rounds():
     assert paired_ratio([1.0], [3.0]) == 3.0
 
 
+def test_sync_target_counts_the_rounds_at_the_device_row():
+    from fp_core.tools.bench import Row, targets
+
+    def row(key: str, seconds: list[float]) -> Row:
+        return Row(key=key, label=key, kind="save", bytes=1, seconds=seconds)
+
+    def per_round(fp: list[float]) -> dict:
+        got = targets({"device": row("device", [1.0] * len(fp)), "fastpersist": row("fastpersist", fp)})
+        return next(t for t in got if "rounds" in t["target"])
+
+    t = per_round([1.0, 1.05, 1.2, 1.1, 1.0])  # 1.2 s against 1.0 s: 0.83x, the only miss
+    assert t["pass"] and t["value"] == "4 of 5 (1.00 0.95 0.83 0.91 1.00)"
+    t = per_round([1.0, 1.2, 1.2, 1.1, 1.0])
+    assert not t["pass"] and t["value"].startswith("3 of 5")
+
+
 def test_sync_bench_rounds_and_ratios(tmp_path):
     out_dir = tmp_path / "out"
     res = _bench(["--size", "8MiB", "--repeat", "2", "--dir", str(out_dir),
