@@ -134,6 +134,12 @@ class EarlyWrite:
         # without waiting for thousands of rows. While the pickle is made, or with the
         # thread idle, the thread builds them beside the pickler.
         rows = prepare_rows(self._engine, batch, lo, hi) if ahead and not self._idle.is_set() else None
+        # The final plan's extents are new ones: a device storage among them (the last
+        # block of the last one found) is staged on the thread, whose current stream is not
+        # the caller's; as in _lay_out, its copy waits for the caller's stream of now.
+        unmarked = [s for s in batch.storages_in(lo, hi) if not s.on_cpu and s.ready is None]
+        if unmarked:
+            mark_ready(unmarked)
         self._idle.clear()
         self._batches.put((batch, lo, hi, rows))
         self._offered = hi

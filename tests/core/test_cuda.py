@@ -285,6 +285,7 @@ def test_save_sees_work_queued_on_the_callers_current_stream(disk_dir, how):
     whose current stream is the default one: it must order its copies after the caller's
     stream as it was at ``save()``, not after its own."""
     big = torch.zeros(64 * MiB // 4, device="cuda")
+    odd = torch.zeros(1_000_003, device="cuda")  # ends off a block: a sync save stages its last block apart
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     path = os.path.join(disk_dir, f"{how}.pt")
@@ -293,17 +294,19 @@ def test_save_sees_work_queued_on_the_callers_current_stream(disk_dir, how):
         with torch.cuda.stream(side):
             torch.cuda._sleep(_sleep_cycles(0.3))  # the "step" is still running when save() is called
             big.fill_(3.0)
+            odd.fill_(3.0)
             if ckpt is None:
-                fp_core.save({"big": big}, path)
+                fp_core.save({"big": big, "odd": odd}, path)
             else:
-                ckpt.save({"big": big}, path)
+                ckpt.save({"big": big, "odd": odd}, path)
         if ckpt is not None:
             ckpt.wait()
     finally:
         if ckpt is not None:
             ckpt.close()
-    got = torch.load(path, map_location="cpu", weights_only=True)["big"]
-    assert bool((got == 3.0).all()), f"the file holds values from before the caller's queued work ({got[:4]})"
+    for name, got in torch.load(path, map_location="cpu", weights_only=True).items():
+        assert bool((got == 3.0).all()), \
+            f"{name}: the file holds values from before the caller's queued work ({got[:4]}, {got[-4:]})"
 
 
 def test_overlap_with_device_batches_and_cpu_step_tensors(disk_dir, monkeypatch):

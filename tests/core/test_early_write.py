@@ -197,6 +197,44 @@ def test_the_whole_body_is_written_early_its_last_rows_built_while_the_thread_wr
     fp_core.verify(path)
 
 
+def test_every_device_storage_the_thread_stages_was_ordered_after_the_callers_stream(
+        disk_dir, early_from_1mib, monkeypatch):
+    """A storage on a device is copied to the host on the writing thread; it must first have
+    been marked (on the caller's thread) to wait for the caller's stream, also where the
+    plan's final extents stage it (the last block of the last storage found). Here record 1
+    reads as device memory; staging copies the CPU memory behind it."""
+    from fp_core import writer
+
+    monkeypatch.setattr(plan_mod.StorageExtent, "on_cpu", property(lambda s: s.host is not None or s.record != 1))
+    marked: set[int] = set()
+    real_mark = early_write.mark_ready
+
+    def mark(extents):
+        assert threading.current_thread() is threading.main_thread()
+        marked.update(id(s) for s in extents)
+        return real_mark(extents)
+
+    monkeypatch.setattr(early_write, "mark_ready", mark)
+    staged: list[tuple[int, str, bool]] = []  # (record, thread, marked before)
+    real_stage = writer._stage_device_storages
+
+    def stage(storages, stats):
+        for s in storages:
+            if not s.on_cpu:
+                staged.append((s.record, threading.current_thread().name, id(s) in marked))
+        return real_stage(storages, stats)
+
+    monkeypatch.setattr(writer, "_stage_device_storages", stage)
+    torch.manual_seed(5)
+    state = {"big": torch.randn(2 * MiB // 4), "odd": torch.randn(1_000_003)}  # odd ends off a block
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    early = [(r, ok) for r, name, ok in staged if name == "fastpersist-early-write"]
+    assert len(early) >= 2 and {r for r, _ in early} == {1}, staged  # its body, then its last block
+    assert all(ok for _, ok in early), staged
+    assert_identical(state, fp_core.load(path, verify=True))
+
+
 def test_rows_prepared_ahead_write_the_same_bytes(disk_dir):
     from fp_core import engine as engine_mod
     from fp_core import writer
