@@ -129,10 +129,10 @@ class EarlyWrite:
         self._queue(batch, lo, hi, ahead)
 
     def _queue(self, batch: FilePlan, lo: int, hi: int, ahead: bool) -> None:
-        # The caller builds a batch's rows only once it has nothing else to do (the pickle
-        # is made) and the thread is still writing: then the disk goes on to this batch
-        # without waiting for thousands of rows. While the pickle is made, or with the
-        # thread idle, the thread builds them beside the pickler.
+        # The caller builds a batch's rows only once the pickle is made (what is left on its
+        # side is the plan's books) and while the thread is still writing: then the disk
+        # goes on to this batch without waiting for thousands of rows. While the pickle is
+        # made, or with the thread idle, the thread builds them, beside the pickler.
         rows = prepare_rows(self._engine, batch, lo, hi) if ahead and not self._idle.is_set() else None
         # The final plan's extents are new ones: a device storage among them (the last
         # block of the last one found) is staged on the thread, whose current stream is not

@@ -532,4 +532,5 @@ def write_tail(engine: _native.Engine, plan: FilePlan, body_pieces: list[PieceCr
     engine.truncate(plan.file_size)
 
 
-__all__ = ["write_single", "write_range", "prepare_rows", "PreparedRows", "write_tail", "combine_piece_crcs", "align_down", "RangeStats"]
+__all__ = ["write_single", "write_range", "prepare_rows", "PreparedRows", "write_tail", "combine_piece_crcs",
+           "align_down", "RangeStats"]
