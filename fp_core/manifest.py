@@ -58,20 +58,39 @@ class Manifest:
     records: list[RecordInfo] = field(default_factory=list)
     structure_crc32c: int = 0  # CRC-32C over every byte that no record's data covers
 
+    # Set by freeze(): the records' text with a "%08x" where each CRC goes.
+    _records_format: str | None = field(default=None, init=False, repr=False, compare=False)
+    _frozen_count: int = field(default=-1, init=False, repr=False, compare=False)
+
+    def freeze(self) -> None:
+        """Render the records' text once, leaving out only their CRCs: a plan's records
+        are final but for their checksums, and a checkpoint of thousands of tensors
+        renders its manifest twice per save (its reserved size, then the text written
+        last, after the last byte of the body). Later changes to a record's other fields
+        are not seen; a record added or removed drops the frozen text."""
+        self._records_format = self._format_records()
+        self._frozen_count = len(self.records)
+
+    def _format_records(self) -> str:
+        # one dict per record for json.dumps costs more than the strings themselves
+        return ",".join([
+            (f'{{"name":{_str(r.name)},"kind":{_str(r.kind)},"offset":{int(r.offset)},"size":{int(r.size)},'
+             '"crc32c":"').replace("%", "%%") + "%08x"
+            + ('"' + (f',"tensor":{_str(r.tensor)}' if r.tensor is not None else "")
+               + (f',"dtype":{_str(r.dtype)}' if r.dtype is not None else "") + "}").replace("%", "%%")
+            for r in self.records])
+
+    def _records_text(self) -> str:
+        frozen = self._records_format is not None and self._frozen_count == len(self.records)
+        fmt = self._records_format if frozen else self._format_records()
+        return fmt % tuple([r.crc32c for r in self.records])
+
     def to_bytes(self, pad_to: int | None = None) -> bytes:
         # The bytes of json.dumps(doc, separators=(",", ":")) for the document below,
-        # written record by record: a checkpoint of thousands of tensors encodes this
-        # twice per save, and one dict per record for json.dumps costs more than the
-        # strings themselves (tests compare the two for every kind of name).
-        records = ",".join([
-            f'{{"name":{_str(r.name)},"kind":{_str(r.kind)},"offset":{int(r.offset)},"size":{int(r.size)},'
-            f'"crc32c":"{r.crc32c:08x}"'
-            + (f',"tensor":{_str(r.tensor)}' if r.tensor is not None else "")
-            + (f',"dtype":{_str(r.dtype)}' if r.dtype is not None else "") + "}"
-            for r in self.records])
+        # written record by record (tests compare the two for every kind of name).
         data = (f'{{"format":{_str(FORMAT)},"checksum":"crc32c","file_size":{int(self.file_size)},'
                 f'"alignment":{int(self.alignment)},"structure_crc32c":"{self.structure_crc32c:08x}",'
-                f'"records":[{records}]}}').encode()
+                f'"records":[{self._records_text()}]}}').encode()
         if pad_to is not None:
             if len(data) > pad_to:
                 raise ValueError(f"manifest of {len(data)} bytes exceeds its reserved {pad_to}")
@@ -80,8 +99,7 @@ class Manifest:
 
     def reserved_size(self) -> int:
         """Bytes to reserve: this manifest with the widest file size it could ever state."""
-        widest = Manifest(10**16, self.alignment, self.records, self.structure_crc32c)
-        return len(widest.to_bytes())
+        return len(self.to_bytes()) - len(str(int(self.file_size))) + len(str(10**16))
 
     @classmethod
     def from_bytes(cls, data: bytes, max_records: int | None = None) -> Manifest:

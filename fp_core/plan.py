@@ -232,6 +232,7 @@ def from_skeleton(sparse: SparseFile, storages_by_key: dict[str, Any], names: di
         records.append(rec)
 
     manifest = Manifest(file_size=0, alignment=alignment, records=records)
+    manifest.freeze()  # the records change no more, but for their CRCs
     reserved = manifest.reserved_size()
     added = ziptail.append_stored(sparse, directory, f"{prefix}/{RECORD_SUFFIX}", b" " * reserved, TAIL_COMMENT)
     manifest.file_size = sparse.size

@@ -8,7 +8,7 @@ import random
 from fp_core.manifest import FORMAT, Manifest, RecordInfo
 
 NAMES = ["archive/data/0", "layer.0.weight", 'quote"back\\slash', "tab\tnew\nline\x00\x1f", "ünïcødé 名前",
-         "emoji 🚀", "lone \ud800 surrogate", "", "/", "a" * 300]
+         "emoji 🚀", "lone \ud800 surrogate", "", "/", "a" * 300, "100% %s %08x %%"]
 
 
 def _reference(m: Manifest) -> bytes:
@@ -35,3 +35,12 @@ def test_encoder_matches_json_dumps_byte_for_byte():
         assert len(padded) == reserved
         back = Manifest.from_bytes(padded)
         assert back.records == records and back.file_size == m.file_size, trial
+        # frozen (a plan's records, final but for their CRCs): the same bytes as the CRCs change
+        m.freeze()
+        for r in records:
+            r.crc32c = rng.randrange(1 << 32)
+        assert m.to_bytes() == _reference(m), trial
+        assert m.reserved_size() == reserved, trial
+        if records:  # a record added after freezing is rendered, not left out
+            m.records.append(RecordInfo("late%s", 1, 2, 3, kind="record"))
+            assert m.to_bytes() == _reference(m), trial
