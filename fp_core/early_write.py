@@ -165,6 +165,8 @@ class EarlyWrite:
                     self._error = e
             if self._batches.empty():
                 self._idle.set()
+                if not self._batches.empty():  # queued just before the flag went up
+                    self._idle.clear()
 
     # -- the caller's side -------------------------------------------------------------
     def plan(self, obj: Any) -> FilePlan | None:
@@ -205,6 +207,9 @@ class EarlyWrite:
         # The rest of the body (the pickle, torch's small records) goes on the same thread
         # right after the storages, its rows built here: not in a separate call once the
         # storages are written, which would leave the disk waiting for its setup.
+        # From here until result() has waited for the thread, nothing may change the final
+        # plan's skeleton (finish_tail writes into it after that): the thread may be
+        # reading it.
         if plan.tail_start > self.end:
             self._queue(plan, self.end, plan.tail_start, ahead=True)
             self.end = plan.tail_start

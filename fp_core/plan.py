@@ -70,13 +70,17 @@ class StorageExtent:
         self._source_on_cpu = None
 
     @property
-    def on_cpu(self) -> bool:
-        if self.host is not None:
-            return True
+    def source_on_cpu(self) -> bool:
+        """Whether the storage itself lives in CPU memory (whatever copy it has)."""
         cpu = self._source_on_cpu
         if cpu is None:
             cpu = self._source_on_cpu = self._source.device.type == "cpu"
         return cpu
+
+    @property
+    def on_cpu(self) -> bool:
+        """Whether the bytes to write are in CPU memory now: the source, or a host copy."""
+        return self.host is not None or self.source_on_cpu
 
     @property
     def data(self) -> torch.Tensor:

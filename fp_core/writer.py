@@ -306,12 +306,13 @@ def prepare_rows(engine: _native.Engine, plan: FilePlan, start: int, end: int) -
     """The rows :func:`write_range` would build for [start, end), built now: on a thread
     with nothing else to do while the writing thread is still busy, so that the disk does
     not wait for thousands of rows between two ranges. None where they cannot be built
-    ahead: device storages get their host addresses when staged, and an overlap save's
-    cut claims its batches as they are written."""
+    ahead: a device storage's host copy is made and let go by the writing thread (one
+    staged for the batch before this one, whose end cuts it, may be gone by the time these
+    rows are written), and an overlap save's cut claims its batches as they are written."""
     if plan.cut is not None:
         return None
     storages = plan.storages_in(start, end)
-    if not all(s.on_cpu for s in storages):
+    if not all(s.source_on_cpu and s.host is None for s in storages):
         return None
     keep: list = []
     return PreparedRows(start, end, _extents(plan, storages, start, end, _congruence(engine), keep), keep)

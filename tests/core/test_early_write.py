@@ -205,7 +205,7 @@ def test_every_device_storage_the_thread_stages_was_ordered_after_the_callers_st
     reads as device memory; staging copies the CPU memory behind it."""
     from fp_core import writer
 
-    monkeypatch.setattr(plan_mod.StorageExtent, "on_cpu", property(lambda s: s.host is not None or s.record != 1))
+    monkeypatch.setattr(plan_mod.StorageExtent, "source_on_cpu", property(lambda s: s.record != 1))
     marked: set[int] = set()
     real_mark = early_write.mark_ready
 
@@ -232,6 +232,54 @@ def test_every_device_storage_the_thread_stages_was_ordered_after_the_callers_st
     early = [(r, ok) for r, name, ok in staged if name == "fastpersist-early-write"]
     assert len(early) >= 2 and {r for r, _ in early} == {1}, staged  # its body, then its last block
     assert all(ok for _, ok in early), staged
+    assert_identical(state, fp_core.load(path, verify=True))
+
+
+def test_no_rows_built_ahead_from_a_device_storages_staging_copy(disk_dir, early_from_1mib, monkeypatch):
+    """A device storage whose end the previous batch cuts is staged for that batch; its
+    copy is let go when that batch is written. Rows built ahead for the next batch while
+    it was being written would point into the copy let go (a crash, or a silently wrong
+    file where the memory was reused). Record 0 reads as device memory; the disk is slow
+    for the first batch and the pickle's end comes while it is written."""
+    import time
+
+    from fp_core import writer
+
+    monkeypatch.setattr(plan_mod.StorageExtent, "source_on_cpu", property(lambda s: s.record != 0))
+    first: list[int] = []
+    real_rows = writer._write_rows
+
+    def slow_rows(eng, rows, lo, hi, stats):
+        if threading.current_thread().name == "fastpersist-early-write" and not first:
+            first.append(1)
+            time.sleep(0.5)
+        return real_rows(eng, rows, lo, hi, stats)
+
+    monkeypatch.setattr(writer, "_write_rows", slow_rows)
+    let_go: list[torch.Tensor] = []  # kept alive, and overwritten as another user of the memory would
+    real_release = writer._release
+
+    def release(staged):
+        for s in staged:
+            if s.host is not None:
+                s.host.fill_(0xAB)
+                let_go.append(s.host)
+        return real_release(staged)
+
+    monkeypatch.setattr(writer, "_release", release)
+    real_offer = early_write.EarlyWrite._offer
+
+    def offer(self, ahead=False):
+        if ahead:
+            time.sleep(0.2)  # the rest of a real state's pickle takes a while
+        return real_offer(self, ahead)
+
+    monkeypatch.setattr(early_write.EarlyWrite, "_offer", offer)
+    torch.manual_seed(1)
+    state = {"big": torch.randn(MiB // 4 + 1001), "x": torch.randn(10), "y": torch.randn(10)}
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    assert let_go  # the staging copies were let go (and overwritten)
     assert_identical(state, fp_core.load(path, verify=True))
 
 
