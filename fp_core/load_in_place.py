@@ -25,8 +25,17 @@ import torch
 
 from . import file_image, loader, plain_unpickle, read_depth
 from .errors import CorruptCheckpointError
-from .integrity import CheckpointFile, ManifestView, check_crc, check_storages, check_structure, read_manifest
+from .integrity import (
+    CheckpointFile,
+    ManifestView,
+    check_crc,
+    check_small_records,
+    check_storages,
+    check_zip_structure,
+    read_manifest,
+)
 from .loader import FastReader
+from .thread_wait import Beside
 
 
 @dataclass
@@ -124,25 +133,44 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
         # no offsets from torch's headers here: load it whole (checked there) and copy
         return _load_and_copy(target, path, verify, weights_only)
     with CheckpointFile(path) as cf:
-        view: ManifestView | None = None
-        if verify:
-            view = read_manifest(cf)
-            check_structure(cf, view)  # the pickle and headers before they are unpickled
-        wo = file_image.resolve_weights_only(weights_only)
-        # every storage's data offset, its local header read in one scatter read
-        entries = file_image.storage_entries(cf)
-        offsets = cf.data_offsets(entries)
-        sizes = {off: info.file_size for info, off in zip(entries, offsets)}
-        with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
-            if zf.has_record("byteorder") and zf.get_record("byteorder").decode(errors="replace") != sys.byteorder:
-                return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
-            saved = plain_unpickle.unpickle(zf, plain_unpickle.meta_storage_at(_under_archive(cf, entries, offsets)))
-            if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
-                f.prefetch_small_reads()
-                saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
-        fills: list[_Fill] = []
-        result = _match(saved, target, "", fills)
-        _read_fills(cf, view, fills, sizes)
+        if not verify:
+            return _fill(cf, None, target, path, weights_only)
+        view = read_manifest(cf)  # the records' offsets and sizes match the zip's headers
+        check_small_records(cf, view)  # the pickle before it is unpickled
+        # The rest of the zip structure (its headers' other bytes, the directory) is
+        # checked beside the reads, its scattered small reads in the time they wait for
+        # the disk; a damaged structure is still the error raised.
+        structure = Beside(lambda: check_zip_structure(cf, view), "fastpersist-verify-structure")
+        try:
+            result = _fill(cf, view, target, path, weights_only)
+        except BaseException as e:
+            damaged = structure.error()
+            if isinstance(damaged, CorruptCheckpointError) and isinstance(e, Exception):
+                raise damaged from e
+            raise
+        structure.result()
+        return result
+
+
+def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str | os.PathLike,
+          weights_only: bool | None) -> Any:
+    """load_into's work once the file is open (and its manifest read and checked, ``view``)."""
+    verify = view is not None
+    wo = file_image.resolve_weights_only(weights_only)
+    # every storage's data offset, its local header read in one scatter read
+    entries = file_image.storage_entries(cf)
+    offsets = cf.data_offsets(entries)
+    sizes = {off: info.file_size for info, off in zip(entries, offsets)}
+    with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
+        if zf.has_record("byteorder") and zf.get_record("byteorder").decode(errors="replace") != sys.byteorder:
+            return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
+        saved = plain_unpickle.unpickle(zf, plain_unpickle.meta_storage_at(_under_archive(cf, entries, offsets)))
+        if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
+            f.prefetch_small_reads()
+            saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
+    fills: list[_Fill] = []
+    result = _match(saved, target, "", fills)
+    _read_fills(cf, view, fills, sizes)
     return result
 
 

@@ -24,3 +24,33 @@ def wait_until_out(out: threading.Event, on_interrupt: Callable[[], None] | None
                 on_interrupt()
     if interrupted is not None:
         raise interrupted
+
+
+class Beside:
+    """``fn`` run on a thread of its own, beside the caller's work; wait for it before
+    whatever it reads (a file, memory) is let go."""
+
+    def __init__(self, fn: Callable[[], None], name: str) -> None:
+        self._out = threading.Event()
+        self._error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+                self._error = e
+            finally:
+                self._out.set()
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+
+    def error(self) -> BaseException | None:
+        """Wait for ``fn`` to end (through interrupts, raised after); what it raised."""
+        wait_until_out(self._out)
+        return self._error
+
+    def result(self) -> None:
+        """Wait for ``fn`` to end; raise what it raised."""
+        error = self.error()
+        if error is not None:
+            raise error

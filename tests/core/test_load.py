@@ -290,6 +290,63 @@ def test_load_into_verify_names_a_damaged_tensor(disk_dir):
         fp_core.load_into(m2.state_dict(), path, verify=True)
 
 
+def _local_header_name_byte(path: str, name_suffix: str) -> int:
+    """The offset of the first byte of a record's name in its local header: covered by the
+    structure CRC only (offsets come from the header's lengths, names from the directory)."""
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(name_suffix))
+    return info.header_offset + 30
+
+
+def test_load_into_verify_checks_the_zip_structure_beside_the_reads(disk_dir, monkeypatch):
+    """The headers' other bytes are checked on a thread of their own while the tensors are
+    read; a damaged one is the error raised, also when a tensor is damaged too, and the
+    pickle is still checked before it is unpickled."""
+    import threading
+
+    from fp_core import integrity, load_in_place
+
+    m, _ = _model_state(0)
+    path = os.path.join(disk_dir, "ckpt.pt")
+    fp_core.save(m.state_dict(), path)
+    ran_on: list[str] = []
+    real = integrity.check_zip_structure
+
+    def spy(cf, view):
+        ran_on.append(threading.current_thread().name)
+        return real(cf, view)
+
+    monkeypatch.setattr(load_in_place, "check_zip_structure", spy)
+    m2, _ = _model_state(1)
+    fp_core.load_into(m2.state_dict(), path, verify=True)
+    assert ran_on == ["fastpersist-verify-structure"]
+    assert_identical(m2.state_dict(), m.state_dict())
+
+    from conftest import flip_byte
+
+    flip_byte(path, _local_header_name_byte(path, "/data/0"))
+    with pytest.raises(CorruptCheckpointError, match="zip structure"):
+        fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
+    rec = next(r for r in fp_core.inspect(path) if r.get("tensor") == "0.weight")
+    flip_byte(path, rec["offset"] + 100)  # a tensor too: the structure's damage is still what is named
+    with pytest.raises(CorruptCheckpointError, match="zip structure"):
+        fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
+    checkers = [t for t in threading.enumerate() if t.name == "fastpersist-verify-structure"]
+    for t in checkers:  # each ends just after the load that started it was told it is out
+        t.join(5)
+    assert not [t for t in checkers if t.is_alive()]
+
+    fp_core.save(m.state_dict(), path)
+    pkl = next(r for r in fp_core.inspect(path) if r["name"].endswith("data.pkl"))
+    flip_byte(path, pkl["offset"] + 3)
+    unpickled: list[int] = []
+    real_unpickle = load_in_place.plain_unpickle.unpickle
+    monkeypatch.setattr(load_in_place.plain_unpickle, "unpickle", lambda *a: unpickled.append(1) or real_unpickle(*a))
+    with pytest.raises(CorruptCheckpointError, match="data.pkl"):
+        fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
+    assert not unpickled  # checked before it was unpickled
+
+
 def test_files_written_in_the_async_layout_load_whole_and_in_place(disk_dir):
     """AsyncCheckpointer lays storages out congruent to their addresses (not where torch
     itself would put them): every loader must take each storage's offset from its zip
