@@ -15,6 +15,7 @@ import errno
 import os
 import stat
 import struct
+import threading
 import time
 import zipfile
 from dataclasses import dataclass, field
@@ -153,19 +154,20 @@ class CheckpointFile:
                 self._headers[off] = heads[k].tobytes()
         return [self.data_offset(i) for i in infos]
 
-    def crc_of_ranges(self, ranges: list[tuple[int, int]]) -> int:
+    def crc_of_ranges(self, ranges: list[tuple[int, int]], stop: threading.Event | None = None) -> int:
         """CRC-32C of the bytes of ``ranges`` ((offset, length) pairs, sorted, inside the
-        file) one after another."""
+        file) one after another (``stop``: see :meth:`crcs_of_ranges`)."""
         crc = 0
-        for (_, n), part in zip(ranges, self.crcs_of_ranges(ranges)):
+        for (_, n), part in zip(ranges, self.crcs_of_ranges(ranges, stop=stop)):
             crc = _native.crc32c_combine(crc, part, n)
         return crc
 
-    def crcs_of_ranges(self, ranges: list[tuple[int, int]], what: str = STRUCTURE) -> list[int]:
+    def crcs_of_ranges(self, ranges: list[tuple[int, int]], what: str = STRUCTURE,
+                       stop: threading.Event | None = None) -> list[int]:
         """CRC-32C of each of ``ranges`` ((offset, length) pairs, sorted by offset, inside
         the file): native scatter reads at the loads' depth, a scratch buffer's worth at a
         time, small ranges read together. ``what`` names the ranges in the error a file
-        cut short meanwhile raises."""
+        cut short meanwhile raises. ``stop`` (checked between reads): set, InterruptedError."""
         if self.image is not None:
             return [self.crc(off, n) for off, n in ranges]
         chunk = read_depth.CHUNK
@@ -179,6 +181,8 @@ class CheckpointFile:
         i = 0
         with self.native_reader() as r:
             while i < len(pieces):  # a batch fills the scratch buffer
+                if stop is not None and stop.is_set():
+                    raise InterruptedError(f"checking {what} of {self.path} was stopped")
                 batch, used = [], 0
                 while i < len(pieces) and used + pieces[i][1] <= scratch.nbytes:
                     batch.append((pieces[i][0], scratch.ctypes.data + used, pieces[i][1]))
@@ -339,12 +343,13 @@ def check_structure(cf: CheckpointFile, view: ManifestView) -> None:
     check_small_records(cf, view)
 
 
-def check_zip_structure(cf: CheckpointFile, view: ManifestView) -> None:
+def check_zip_structure(cf: CheckpointFile, view: ManifestView, stop: threading.Event | None = None) -> None:
     """Check every byte no record covers (local headers, padding, the central directory
-    before the tail) against the manifest's structure CRC."""
+    before the tail) against the manifest's structure CRC. ``stop``: set, the check ends
+    (InterruptedError) after the read in progress."""
     m = view.manifest
     covered = [(r.offset, r.offset + r.size) for r in m.records]
-    got = cf.crc_of_ranges(structure_ranges(covered, view.header_offset))
+    got = cf.crc_of_ranges(structure_ranges(covered, view.header_offset), stop)
     if got != m.structure_crc32c:
         raise CorruptCheckpointError(cf.path, STRUCTURE, f"CRC-32C {got:08x}, expected {m.structure_crc32c:08x}")
 

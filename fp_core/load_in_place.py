@@ -127,7 +127,9 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     Every saved tensor needs a target tensor of the same shape and dtype at the same keys
     (``ValueError`` naming the first that differs, before any byte is read). With
     ``verify=True`` every record read is checked against the manifest
-    (:class:`CorruptCheckpointError` naming it; the targets then hold unchecked bytes).
+    (:class:`CorruptCheckpointError` naming it; the targets then hold unchecked bytes,
+    also where only the zip's headers are damaged: they are checked while the tensors are
+    read into the targets).
     """
     if not file_image.applies(None):
         # no offsets from torch's headers here: load it whole (checked there) and copy
@@ -136,16 +138,22 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
         if not verify:
             return _fill(cf, None, target, path, weights_only)
         view = read_manifest(cf)  # the records' offsets and sizes match the zip's headers
-        check_small_records(cf, view)  # the pickle before it is unpickled
+        try:
+            check_small_records(cf, view)  # the pickle before it is unpickled
+        except CorruptCheckpointError:
+            check_zip_structure(cf, view)  # a damaged structure is named first, as everywhere
+            raise
         # The rest of the zip structure (its headers' other bytes, the directory) is
         # checked beside the reads, its scattered small reads in the time they wait for
         # the disk; a damaged structure is still the error raised.
-        structure = Beside(lambda: check_zip_structure(cf, view), "fastpersist-verify-structure")
+        structure = Beside(lambda stop: check_zip_structure(cf, view, stop), "fastpersist-verify-structure")
         try:
+            structure.start()
             result = _fill(cf, view, target, path, weights_only)
         except BaseException as e:
-            damaged = structure.error()
-            if isinstance(damaged, CorruptCheckpointError) and isinstance(e, Exception):
+            interrupted = not isinstance(e, Exception)
+            damaged = structure.error(stop=interrupted)
+            if isinstance(damaged, CorruptCheckpointError) and not interrupted:
                 raise damaged from e
             raise
         structure.result()

@@ -60,16 +60,16 @@ class Manifest:
 
     # Set by freeze(): the records' text with a "%08x" where each CRC goes.
     _records_format: str | None = field(default=None, init=False, repr=False, compare=False)
-    _frozen_count: int = field(default=-1, init=False, repr=False, compare=False)
+    _frozen: list[RecordInfo] | None = field(default=None, init=False, repr=False, compare=False)
 
     def freeze(self) -> None:
         """Render the records' text once, leaving out only their CRCs: a plan's records
         are final but for their checksums, and a checkpoint of thousands of tensors
         renders its manifest twice per save (its reserved size, then the text written
         last, after the last byte of the body). Later changes to a record's other fields
-        are not seen; a record added or removed drops the frozen text."""
+        are not seen; a record added, removed or replaced drops the frozen text."""
         self._records_format = self._format_records()
-        self._frozen_count = len(self.records)
+        self._frozen = list(self.records)
 
     def _format_records(self) -> str:
         # one dict per record for json.dumps costs more than the strings themselves
@@ -81,8 +81,10 @@ class Manifest:
             for r in self.records])
 
     def _records_text(self) -> str:
-        frozen = self._records_format is not None and self._frozen_count == len(self.records)
-        fmt = self._records_format if frozen else self._format_records()
+        frozen = self._frozen
+        same = frozen is not None and len(frozen) == len(self.records) and all(
+            a is b for a, b in zip(frozen, self.records))
+        fmt = self._records_format if same else self._format_records()
         return fmt % tuple([r.crc32c for r in self.records])
 
     def to_bytes(self, pad_to: int | None = None) -> bytes:

@@ -27,26 +27,42 @@ def wait_until_out(out: threading.Event, on_interrupt: Callable[[], None] | None
 
 
 class Beside:
-    """``fn`` run on a thread of its own, beside the caller's work; wait for it before
-    whatever it reads (a file, memory) is let go."""
+    """``fn(stop)`` run on a thread of its own, beside the caller's work, once
+    :meth:`start` is called; wait for it (:meth:`error`, :meth:`result`) before whatever
+    it reads (a file, memory) is let go. An interrupt while waiting sets ``stop``, which
+    ``fn`` checks between its steps, and is raised once the thread is out."""
 
-    def __init__(self, fn: Callable[[], None], name: str) -> None:
+    def __init__(self, fn: Callable[[threading.Event], None], name: str) -> None:
+        self._fn, self._name = fn, name
         self._out = threading.Event()
+        self._stop = threading.Event()
+        self._started = False
         self._error: BaseException | None = None
 
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
-                self._error = e
-            finally:
-                self._out.set()
+    def _run(self) -> None:
+        try:
+            self._fn(self._stop)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by error()
+            self._error = e
+        finally:
+            self._out.set()
 
-        threading.Thread(target=run, name=name, daemon=True).start()
+    def start(self) -> None:
+        self._started = True
+        try:
+            threading.Thread(target=self._run, name=self._name, daemon=True).start()
+        except BaseException:
+            self._out.set()  # no thread to wait for
+            raise
 
-    def error(self) -> BaseException | None:
-        """Wait for ``fn`` to end (through interrupts, raised after); what it raised."""
-        wait_until_out(self._out)
+    def error(self, stop: bool = False) -> BaseException | None:
+        """Wait for ``fn`` to end (through interrupts, raised after); what it raised.
+        ``stop``: ask it to stop first."""
+        if not self._started:
+            return None
+        if stop:
+            self._stop.set()
+        wait_until_out(self._out, on_interrupt=self._stop.set)
         return self._error
 
     def result(self) -> None:

@@ -312,9 +312,9 @@ def test_load_into_verify_checks_the_zip_structure_beside_the_reads(disk_dir, mo
     ran_on: list[str] = []
     real = integrity.check_zip_structure
 
-    def spy(cf, view):
+    def spy(cf, view, stop=None):
         ran_on.append(threading.current_thread().name)
-        return real(cf, view)
+        return real(cf, view, stop)
 
     monkeypatch.setattr(load_in_place, "check_zip_structure", spy)
     m2, _ = _model_state(1)
@@ -345,6 +345,61 @@ def test_load_into_verify_checks_the_zip_structure_beside_the_reads(disk_dir, mo
     with pytest.raises(CorruptCheckpointError, match="data.pkl"):
         fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
     assert not unpickled  # checked before it was unpickled
+    flip_byte(path, _local_header_name_byte(path, "/data/0"))  # the structure too: named first, as before
+    with pytest.raises(CorruptCheckpointError, match="zip structure"):
+        fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
+    assert not unpickled
+
+
+def test_the_structure_check_stops_between_reads_when_asked(disk_dir):
+    """An interrupt while load_into waits for its structure check asks the check to stop;
+    it ends after the read in progress, not after the whole structure."""
+    import threading
+
+    from fp_core import integrity
+
+    m, _ = _model_state(0)
+    path = os.path.join(disk_dir, "ckpt.pt")
+    fp_core.save(m.state_dict(), path)
+    stop = threading.Event()
+    stop.set()
+    with integrity.CheckpointFile(path) as cf:
+        view = integrity.read_manifest(cf)
+        with pytest.raises(InterruptedError, match="stopped"):
+            integrity.check_zip_structure(cf, view, stop)
+        integrity.check_zip_structure(cf, view, threading.Event())  # not set: checked whole
+
+
+def test_beside_waits_for_its_thread_and_hands_over_its_error():
+    import threading
+    import time
+
+    from fp_core.thread_wait import Beside
+
+    assert Beside(lambda stop: None, "never-started").error() is None  # nothing to wait for
+    seen: list[bool] = []
+
+    def slow(stop):
+        for _ in range(200):
+            if stop.is_set():
+                seen.append(True)
+                raise InterruptedError("stopped")
+            time.sleep(0.01)
+        raise ValueError("the end")
+
+    b = Beside(slow, "fastpersist-test-beside")
+    b.start()
+    with pytest.raises(ValueError, match="the end"):
+        b.result()
+    b = Beside(slow, "fastpersist-test-beside")
+    b.start()
+    t0 = time.perf_counter()
+    assert isinstance(b.error(stop=True), InterruptedError) and seen
+    assert time.perf_counter() - t0 < 1.0
+    threads = [t for t in threading.enumerate() if t.name == "fastpersist-test-beside"]
+    for t in threads:  # each ends just after it signalled it is out
+        t.join(5)
+    assert not [t for t in threads if t.is_alive()]
 
 
 def test_files_written_in_the_async_layout_load_whole_and_in_place(disk_dir):

@@ -41,6 +41,9 @@ def test_encoder_matches_json_dumps_byte_for_byte():
             r.crc32c = rng.randrange(1 << 32)
         assert m.to_bytes() == _reference(m), trial
         assert m.reserved_size() == reserved, trial
-        if records:  # a record added after freezing is rendered, not left out
+        if records:  # a record added or replaced after freezing is rendered, not left out
             m.records.append(RecordInfo("late%s", 1, 2, 3, kind="record"))
+            assert m.to_bytes() == _reference(m), trial
+            m.freeze()
+            m.records[0] = RecordInfo("swapped", 5, 6, 7, kind="record")
             assert m.to_bytes() == _reference(m), trial
