@@ -149,7 +149,7 @@ class CheckpointFile:
             base = heads.ctypes.data
             with self.native_reader() as r:
                 r.read_scatter([(off, base + k * _LOCAL_HEADER, _LOCAL_HEADER) for k, off in enumerate(todo)],
-                               threads=4)
+                               threads=read_depth.THREADS)
             for k, off in enumerate(todo):
                 self._headers[off] = heads[k].tobytes()
         return [self.data_offset(i) for i in infos]
