@@ -8,6 +8,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import MiB, assert_identical, assert_no_temps
@@ -196,7 +197,13 @@ def test_only_a_layout_congruent_to_the_addresses_gets_a_fence_that_copies(disk_
     and the writer cuts a fence copy's at its arena slot (congruent to the file offset):
     a plan laid out otherwise (an auto save expecting a snapshot) must keep the waiting
     fence, or a copy of bytes changed before the fence would be checksummed anew."""
-    state = {"b": torch.full((5 * MiB + 7,), 3.0)}  # torch places it at page + 64
+    # At page + 64, as torch usually places a large tensor; not left to the allocator,
+    # which now and then hands out a page-aligned block (congruent to any layout).
+    n = (5 * MiB + 7) * 4
+    raw = np.empty(n + 8192, dtype=np.uint8)
+    at = (-raw.ctypes.data) % 4096 + 64
+    state = {"b": torch.from_numpy(raw[at:at + n]).view(torch.float32).fill_(3.0)}
+    assert state["b"].untyped_storage().data_ptr() % 4096 == 64
     with AsyncCheckpointer(install_optimizer_hook=False) as ckpt:
         for congruent, can_copy in ((True, True), (False, False)):
             job = fp_core.prepare(state, os.path.join(disk_dir, f"c{congruent}.pt"), congruent=congruent)
