@@ -11,8 +11,10 @@ class CheckpointSerializationError(CheckpointError, TypeError):
     """The object could not be serialised (an unpicklable member, mixed dtypes on a storage...)."""
 
 
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's bytes do not match the checksums recorded when it was saved."""
+class CorruptCheckpointError(CheckpointError, RuntimeError):
+    """A checkpoint's bytes do not match the checksums recorded when it was saved, or its
+    structure does not read. A ``RuntimeError`` too, as ``torch.load``'s error for a
+    damaged zip is: code that falls back to an older checkpoint on that keeps working."""
 
     def __init__(self, path: str, record: str, detail: str, tensor: str | None = None) -> None:
         self.path = path

@@ -18,6 +18,9 @@ import struct
 import threading
 import time
 import zipfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ _SCATTER_BATCH = 64 << 20  # scratch one scatter read fills when checksumming ra
 _EOCD_SCAN = 22 + 0xFFFF  # the zip's end record and the longest comment it can carry
 _LOCAL_HEADER = 30
 _MANIFEST_BYTES_PER_ENTRY = 64 << 10  # a manifest larger than this per zip entry is not ours
+_SMALL_RECORD = 1 << 20  # another tool's records up to this size are checked when a load of its file fails
 
 
 class CheckpointFile:
@@ -359,6 +363,61 @@ def check_small_records(cf: CheckpointFile, view: ManifestView) -> None:
     for r in view.manifest.records:
         if r.kind == "record":
             check_crc(cf.path, r, cf.crc(r.offset, r.size))
+
+
+def find_damage(cf: CheckpointFile) -> CorruptCheckpointError | None:
+    """The damage that explains a failed unchecked load of ``cf``, if its structure shows
+    one: the tail, the manifest against the zip, the zip's structure and the small records
+    (the pickle among them) for a FastPersist file; for another tool's zip, a directory
+    that reads and local headers that lie in the file. ``None`` where none is found (the
+    load's own error then stands: a missing class, a device that is not there...)."""
+    try:
+        view = read_manifest(cf)
+        check_structure(cf, view)
+    except CorruptCheckpointError as e:
+        return e
+    except NotAFastPersistCheckpoint:
+        try:
+            _check_zip_of_another_tool(cf)
+        except CorruptCheckpointError as e:
+            return e
+        except NotAFastPersistCheckpoint:
+            return None  # torch's legacy format: nothing here to check it against
+    return None
+
+
+def _check_zip_of_another_tool(cf: CheckpointFile) -> None:
+    """A zip without a manifest (``torch.save``'s): its directory reads, each entry's local
+    header lies in the file under the directory's name, and its small records (the
+    pickle, torch's version records) match the zip's own CRC-32."""
+    entries = cf.zip_directory()[0]
+    for info, off in zip(entries, cf.data_offsets(entries)):
+        name = info.filename.encode()
+        if cf.pread(info.header_offset + _LOCAL_HEADER, len(name)) != name:
+            raise CorruptCheckpointError(cf.path, info.filename, f"the local header at byte {info.header_offset} "
+                                         "names another record than the zip directory")
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size <= _SMALL_RECORD:
+            crc = zlib.crc32(cf.pread(off, info.file_size))
+            if crc != info.CRC:
+                raise CorruptCheckpointError(cf.path, info.filename, f"CRC-32 {crc:08x}, the zip directory says "
+                                             f"{info.CRC:08x}")
+
+
+@contextmanager
+def damage_named(cf: CheckpointFile) -> Iterator[None]:
+    """Around an unchecked load of ``cf``: an error that a damaged file explains (torch's
+    zip reader not finding a record, the unpickler meeting a bad opcode, a seek before the
+    file's start) becomes the :class:`CorruptCheckpointError` naming the path and the
+    damaged part, the load's error chained to it. Costs nothing unless the load fails."""
+    try:
+        yield
+    except CorruptCheckpointError:
+        raise
+    except Exception as e:
+        damage = find_damage(cf)
+        if damage is None:
+            raise
+        raise damage from e
 
 
 def check_crc(path: str, record: RecordInfo, crc: int) -> None:

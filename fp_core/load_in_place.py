@@ -32,6 +32,7 @@ from .integrity import (
     check_small_records,
     check_storages,
     check_zip_structure,
+    damage_named,
     read_manifest,
 )
 from .loader import FastReader
@@ -129,14 +130,16 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     ``verify=True`` every record read is checked against the manifest
     (:class:`CorruptCheckpointError` naming it; the targets then hold unchecked bytes,
     also where only the zip's headers are damaged: they are checked while the tensors are
-    read into the targets).
+    read into the targets). Without it, a load that fails on a damaged file raises
+    :class:`CorruptCheckpointError` naming the damage where the structure shows it.
     """
     if not file_image.applies(None):
         # no offsets from torch's headers here: load it whole (checked there) and copy
         return _load_and_copy(target, path, verify, weights_only)
     with CheckpointFile(path) as cf:
         if not verify:
-            return _fill(cf, None, target, path, weights_only)
+            with damage_named(cf):  # a load that fails on a damaged file says so
+                return _fill(cf, None, target, path, weights_only)
         view = read_manifest(cf)  # the records' offsets and sizes match the zip's headers
         try:
             check_small_records(cf, view)  # the pickle before it is unpickled

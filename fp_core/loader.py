@@ -24,6 +24,7 @@ from .integrity import (
     check_records_against_zip,
     check_storages,
     check_structure,
+    damage_named,
     read_manifest,
 )
 
@@ -128,7 +129,10 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     ``verify="auto"`` does the same when the file has a manifest and loads a file
     written by another tool unchecked (``verify=True`` raises
     :class:`NotAFastPersistCheckpoint` for it). The file is opened once: the check and the
-    load read the same file even if its name is replaced meanwhile.
+    load read the same file even if its name is replaced meanwhile. Without a check, a
+    load that fails on a damaged file raises :class:`CorruptCheckpointError` naming the
+    damage where the file's structure shows it (its own error chained); damage inside
+    tensor bytes is found only by ``verify``.
 
     ``mmap=True``: as ``torch.load(mmap=True)``, the tensors are built on a private
     (copy-on-write) mapping of the file, whose pages the kernel reads in on several
@@ -148,19 +152,28 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
             except NotAFastPersistCheckpoint:
                 if verify is True:
                     raise
-        if whole:
-            obj = file_image.load_image(cf, view, map_location, weights_only, mapped=mmap)
-            if obj is not NotImplemented:
-                return obj
-            if view is not None:
-                check_records_against_zip(cf, view)
+        if view is None:  # unchecked: a load that fails on a damaged file says so
+            with damage_named(cf):
+                return _load(cf, None, whole, map_location, weights_only, mmap)
+        return _load(cf, view, whole, map_location, weights_only, mmap)
+
+
+def _load(cf: CheckpointFile, view: ManifestView | None, whole: bool, map_location: Any,
+          weights_only: bool | None, mmap: bool) -> Any:
+    """load's work once the file is open (and its manifest read and checked, ``view``)."""
+    if whole:
+        obj = file_image.load_image(cf, view, map_location, weights_only, mapped=mmap)
+        if obj is not NotImplemented:
+            return obj
         if view is not None:
-            # Tail, structure and small records first: a damaged header must not
-            # reach the unpickler. Storages are checked during the load below.
-            check_structure(cf, view)
-        with FastReader(cf, view) as f:
-            obj = torch.load(f, map_location=map_location, weights_only=weights_only)
-            f.check_unread()
+            check_records_against_zip(cf, view)
+    if view is not None:
+        # Tail, structure and small records first: a damaged header must not
+        # reach the unpickler. Storages are checked during the load below.
+        check_structure(cf, view)
+    with FastReader(cf, view) as f:
+        obj = torch.load(f, map_location=map_location, weights_only=weights_only)
+        f.check_unread()
     return obj
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import stat
+import struct
 import tempfile
 import uuid
 
@@ -505,3 +507,143 @@ def test_a_legacy_torch_file_loads_with_verify_auto(tmp_path):
         fp_core.verify(path)
     io = _lightning_io()
     assert torch.equal(io.load_checkpoint(path)["w"], torch.arange(5))
+
+
+# ------------------------------------------------- 7. unchecked loads of damaged files
+
+
+def _state_and_target():
+    g = torch.Generator().manual_seed(2)
+    state = {"model": {f"l{i}.w": torch.randn(48, 17, generator=g) for i in range(10)},
+             "opt": {"step": 3, "lr": [0.1, 0.2], "m": torch.arange(100.0)}}
+    target = {"model": {f"l{i}.w": torch.empty(48, 17) for i in range(10)},
+              "opt": {"step": 0, "lr": [0, 0], "m": torch.empty(100)}}
+    return state, target
+
+
+UNCHECKED_LOADS = {
+    "load": lambda p, target: fp_core.load(p, weights_only=True),
+    "load mmap": lambda p, target: fp_core.load(p, weights_only=True, mmap=True),
+    "load_into": lambda p, target: fp_core.load_into(target, p),
+}
+
+
+def _pickle_at(raw: bytes) -> int:
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    n, e = struct.unpack_from("<HH", raw, info.header_offset + 26)
+    return info.header_offset + 30 + n + e
+
+
+def _renamed_in_the_directory(raw: bytes) -> bytes:
+    """The zip directory's name of the first storage record changed (data/0 -> dbta/0)."""
+    cd = raw.index(b"PK\x01\x02")
+    i = raw.index(b"/data/0", cd)
+    return raw[:i + 2] + b"b" + raw[i + 3:]
+
+
+DAMAGES = {
+    "truncated": lambda raw: raw[:len(raw) * 2 // 3],
+    "pickle's first byte": lambda raw: (lambda i: raw[:i] + b"\x11" + raw[i + 1:])(_pickle_at(raw)),
+    "directory's name of a record": _renamed_in_the_directory,
+}
+
+
+@pytest.mark.parametrize("writer", ["fastpersist", "torch.save"])
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("how", sorted(UNCHECKED_LOADS))
+def test_an_unchecked_load_of_a_damaged_file_names_the_damage(tmp_path, writer, damage, how):
+    """Without verify, a load that fails on a damaged file raises CorruptCheckpointError
+    naming the path (torch's own error chained where there was one), not torch's RuntimeError, a pickle error
+    or a seek before the file's start."""
+    state, target = _state_and_target()
+    good = str(tmp_path / "good.pt")
+    (fp_core.save if writer == "fastpersist" else torch.save)(state, good)
+    raw = open(good, "rb").read()
+    bad = str(tmp_path / "bad.pt")
+    open(bad, "wb").write(DAMAGES[damage](raw))
+    with pytest.raises(CorruptCheckpointError) as ei:
+        UNCHECKED_LOADS[how](bad, target)
+    assert ei.value.path == bad
+    out = UNCHECKED_LOADS[how](good, target)  # the undamaged file still loads
+    assert torch.equal(out["model"]["l3.w"], state["model"]["l3.w"])
+
+
+@pytest.mark.parametrize("writer", ["fastpersist", "torch.save"])
+def test_randomly_damaged_files_load_or_raise_corrupt_checkpoint(tmp_path, writer):
+    """Bit flips, truncations and overwritten bytes anywhere: every unchecked load either
+    loads (damage inside tensor bytes is only found by verify) or raises
+    CorruptCheckpointError naming the path; no other exception."""
+    import random
+
+    state, target = _state_and_target()
+    good = str(tmp_path / "good.pt")
+    (fp_core.save if writer == "fastpersist" else torch.save)(state, good)
+    raw = open(good, "rb").read()
+    rng = random.Random(11)
+    bad = str(tmp_path / "bad.pt")
+    failed = 0
+    for _ in range(60):
+        b = bytearray(raw)
+        kind = rng.randrange(4)
+        if kind == 0:
+            b = b[:rng.randrange(len(b))]
+        elif kind == 1:  # the zip's structure and the pickle are at the two ends of the file
+            for _ in range(rng.randint(1, 3)):
+                i = rng.choice([rng.randrange(min(len(b), 8192)), len(b) - 1 - rng.randrange(min(len(b), 65536))])
+                b[i] ^= 1 << rng.randrange(8)
+        elif kind == 2:
+            i = rng.randrange(len(b))
+            b[i:i + 8] = bytes(rng.randrange(256) for _ in range(8))
+        else:
+            i = rng.randrange(len(b))
+            b[i] ^= 1 << rng.randrange(8)
+        open(bad, "wb").write(bytes(b))
+        for how, load in UNCHECKED_LOADS.items():
+            try:
+                load(bad, target)
+            except CorruptCheckpointError as e:
+                assert e.path == bad, how
+                failed += 1
+    assert failed > 30  # the damage did reach the loaders
+
+
+class _NotAllowed:
+    pass
+
+
+def test_a_failed_load_of_a_whole_file_keeps_its_own_error(tmp_path):
+    """What no damage explains stays the load's own error: a class weights_only refuses,
+    a target shaped otherwise, a device that is not there."""
+    path = str(tmp_path / "c.pt")
+    fp_core.save({"w": torch.ones(3), "obj": _NotAllowed()}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        fp_core.load(path, weights_only=True)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        fp_core.load_into({"w": torch.empty(3), "obj": None}, path)
+    state, _ = _state_and_target()
+    fp_core.save(state, path)
+    wrong = {"model": {f"l{i}.w": torch.empty(48, 17) for i in range(10)},
+             "opt": {"step": 0, "lr": [0, 0], "m": torch.empty(99)}}
+    with pytest.raises(ValueError, match="opt.m"):
+        fp_core.load_into(wrong, path)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            fp_core.load(path, map_location="cuda")
+
+
+def test_a_damaged_file_is_still_the_runtime_error_torch_load_raises(tmp_path):
+    """Code written around torch.load (``except RuntimeError``: fall back to an older
+    checkpoint) catches FastPersist's error for the same damaged file."""
+    path = str(tmp_path / "c.pt")
+    torch.save(small_state(), path)
+    raw = open(path, "rb").read()
+    open(path, "wb").write(_renamed_in_the_directory(raw))
+    with pytest.raises(RuntimeError, match="PytorchStreamReader"):
+        torch.load(path)
+    with pytest.raises(RuntimeError) as ei:
+        fp_core.load(path)
+    assert isinstance(ei.value, CorruptCheckpointError)
