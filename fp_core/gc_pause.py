@@ -1,15 +1,17 @@
-"""Keep Python's cyclic garbage collector out of a save's serialisation.
+"""Keep Python's cyclic garbage collector out of a save's serialisation and a load.
 
 Pickling a state dict of thousands of tensors allocates tens of thousands of short-lived
-container objects. Each 700 allocations run a young-generation collection and every few
-of those can escalate into a full collection of the whole process (every object torch,
+container objects, and so does loading one (the zip directory's entries, the unpickled
+structure). Each 700 allocations run a young-generation collection and every few of those
+can escalate into a full collection of the whole process (every object torch,
 transformers and the user's program hold), which costs more than the rest of a small
-save. The objects a save makes are freed by reference counting, not by the collector, so
-pausing it for the few milliseconds of serialisation loses nothing: the collector
-resumes on the caller's next allocations with whatever cycles were made meanwhile.
+save, or than all of ``load_into``'s work before its read. The objects a save makes are
+freed by reference counting, not by the collector, and a load's live on in its result,
+so pausing it meanwhile loses nothing: the collector resumes on the caller's next
+allocations with whatever cycles were made meanwhile.
 
-Process-wide and reference-counted: overlapping saves on several threads pause it once,
-and a collector the user has disabled stays disabled.
+Process-wide and reference-counted: overlapping saves and loads on several threads pause
+it once, and a collector the user has disabled stays disabled.
 """
 
 from __future__ import annotations

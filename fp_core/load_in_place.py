@@ -1,14 +1,16 @@
 """Loading into tensors that already exist: a resume fills the model's and the optimizer's
 own tensors, reading each one's bytes from the file straight into its memory.
 
-The file's structure comes from its pickle with every tensor on the meta device, each
-storage carrying its offset in the file: read by :mod:`fp_core.plain_unpickle` where the
-pickle is plain (the offsets from the local headers, all read in one scatter read), else
-by torch's unpickler (``map_location="meta"``). Each saved tensor is matched with the
-target's tensor at the same place (same keys, shape and dtype), and one native scatter
-read fills them all: pieces near each other in the file read together, up to 2 MiB per
-request, many in flight, O_DIRECT straight in where the target is aligned like the file. No fresh memory
-is touched: the target's pages are already there. A target that cannot be filled in place
+The file's structure comes from its pickle, each tensor described by its storage's
+offset in the file and its view of it: read by :mod:`fp_core.plain_unpickle` where the
+pickle is plain (a :class:`~fp_core.plain_unpickle.SavedTensor` per tensor, no tensor
+built; the offsets from the local headers, all read in one scatter read), else by torch's
+unpickler with every storage on the meta device (``map_location="meta"``). Each saved
+tensor is matched with the target's tensor at the same place (same keys, shape and
+dtype), and one native scatter read fills them all: pieces near each other in the file
+read together, up to 2 MiB per request, many in flight, O_DIRECT straight in where the
+target is aligned like the file. No fresh memory is touched: the target's pages are
+already there. A target that cannot be filled in place
 (on a device, not contiguous, a view of part of a saved storage) is filled from a host
 copy of its record.
 """
@@ -25,6 +27,7 @@ import torch
 
 from . import file_image, loader, plain_unpickle, read_depth
 from .errors import CorruptCheckpointError
+from .gc_pause import gc_paused
 from .integrity import (
     CheckpointFile,
     ManifestView,
@@ -36,6 +39,7 @@ from .integrity import (
     read_manifest,
 )
 from .loader import FastReader
+from .plain_unpickle import SavedTensor
 from .thread_wait import Beside
 
 
@@ -46,7 +50,7 @@ class _Fill:
     offset: int  # of the tensor's bytes in the file
     nbytes: int
     record: tuple[int, int]  # (offset, size) of the storage record holding them
-    source: torch.Tensor  # the meta tensor (storage offset, strides) for a copy
+    source: Any  # SavedTensor (storage offset, strides) for a copy; a loaded tensor where read whole
 
 
 class _MetaSlices:
@@ -68,22 +72,31 @@ def _keep_on_meta(storage: Any, location: str) -> Any:
     return storage
 
 
+def _saved_tensor(t: torch.Tensor) -> SavedTensor | torch.Tensor:
+    """A meta tensor of torch's unpickler as a :class:`SavedTensor`; a loaded one as it is."""
+    off = _meta_offset(t)
+    if off is None:
+        return t
+    return SavedTensor(off, t.untyped_storage().nbytes(), t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
+
+
 def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
     """The saved structure with each tensor replaced by the target's; the fills to make."""
-    if isinstance(saved, torch.Tensor):
+    if isinstance(saved, (SavedTensor, torch.Tensor)):
         if not isinstance(target, torch.Tensor):
             raise ValueError(f"load_into: {key or 'the object'} is a tensor in the file but "
                              f"{type(target).__name__} in the target")
         if saved.shape != target.shape or saved.dtype != target.dtype:
             raise ValueError(f"load_into: {key or 'the tensor'} is {tuple(saved.shape)} {saved.dtype} in the file, "
                              f"{tuple(target.shape)} {target.dtype} in the target")
-        off = _meta_offset(saved)
-        if off is None:  # read whole (no offsets): copied from the loaded tensor
+        if isinstance(saved, torch.Tensor):
+            saved = _saved_tensor(saved)
+        if isinstance(saved, torch.Tensor):  # read whole (no offsets): copied from the loaded tensor
             fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
             return target
-        es = saved.element_size()
-        fills.append(_Fill(key, target, off + saved.storage_offset() * es, saved.numel() * es,
-                           (off, saved.untyped_storage().nbytes()), saved))
+        es = saved.element_size
+        fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, saved.numel() * es,
+                           (saved.offset, saved.storage_nbytes), saved))
         return target
     if isinstance(saved, Mapping):
         if not isinstance(target, Mapping):
@@ -136,7 +149,7 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     if not file_image.applies(None):
         # no offsets from torch's headers here: load it whole (checked there) and copy
         return _load_and_copy(target, path, verify, weights_only)
-    with CheckpointFile(path) as cf:
+    with gc_paused(), CheckpointFile(path) as cf:  # see gc_pause, and loader.load
         if not verify:
             with damage_named(cf):  # a load that fails on a damaged file says so
                 return _fill(cf, None, target, path, weights_only)
@@ -175,12 +188,12 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
     with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
         if zf.has_record("byteorder") and zf.get_record("byteorder").decode(errors="replace") != sys.byteorder:
             return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
-        saved = plain_unpickle.unpickle(zf, plain_unpickle.meta_storage_at(_under_archive(cf, entries, offsets)))
+        saved = plain_unpickle.structure(zf, _under_archive(cf, entries, offsets))
         if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
             f.prefetch_small_reads()
             saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
-    fills: list[_Fill] = []
-    result = _match(saved, target, "", fills)
+        fills: list[_Fill] = []
+        result = _match(saved, target, "", fills)
     _read_fills(cf, view, fills, sizes)
     return result
 
@@ -230,8 +243,8 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
             if off in records:
                 check_crc(cf.path, records[off], crc)
                 checked.add(off)
-            src = torch.empty(0, dtype=f.source.dtype).set_(host.untyped_storage(), f.source.storage_offset(),
-                                                              f.source.shape, f.source.stride())
+            src = torch.empty(0, dtype=f.source.dtype).set_(host.untyped_storage(), f.source.storage_offset,
+                                                              f.source.shape, f.source.stride)
             with torch.no_grad():
                 f.target.copy_(src)
     if view is not None:  # records only partly read into targets are checked whole here

@@ -17,6 +17,7 @@ import torch
 
 from . import _native, file_image
 from .errors import CheckpointError, NotAFastPersistCheckpoint
+from .gc_pause import gc_paused
 from .integrity import (
     CheckpointFile,
     ManifestView,
@@ -142,7 +143,9 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     """
     if verify not in (True, False, "auto"):
         raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
-    with CheckpointFile(path) as cf:
+    # see gc_pause: a full collection among a large state's objects (the zip directory's
+    # entries, the unpickled structure) costs more than building them
+    with gc_paused(), CheckpointFile(path) as cf:
         whole = file_image.applies(map_location, mapped=mmap) and cf.pread(0, 4) == b"PK\x03\x04"
         view = None
         if verify:

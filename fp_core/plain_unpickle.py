@@ -16,6 +16,10 @@ allowlist: no code runs here that ``weights_only=True`` would not run. The opcod
 Python's, a few more pure-data forms than torch's weights-only unpickler reads; only
 protocol 2 pickles (what torch.save writes) are taken, which leaves the protocol-0 spellings
 of lists, dicts, numbers and strings among them: data, never code.
+
+:func:`structure` reads the same pickles for ``load_into``, which needs only where each
+tensor's bytes lie: a :class:`SavedTensor` per tensor (its storage's offset in the file,
+dtype, view), no tensor built, each view checked to lie in its storage.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from __future__ import annotations
 import codecs
 import collections
 import io
+import math
 import pickle
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -64,19 +70,24 @@ class _PlainUnpickler(pickle.Unpickler):
         raise NotPlain(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
-            raise NotPlain("persistent id")
-        _, storage_type, key, location, numel = pid
-        if (_StorageType is None or not isinstance(storage_type, _StorageType) or type(key) is not str
-                or type(location) is not str or type(numel) is not int or numel < 0):
-            raise NotPlain("persistent id")
+        dtype, key, location, numel = _storage_id(pid)
         st = self._storages.get(key)
         if st is None:  # tensors of one storage share it, as torch's do
-            dtype = storage_type.dtype
             untyped = self._storage_at(key, numel * torch._utils._element_size(dtype), location)
             st = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
             self._storages[key] = st
         return st
+
+
+def _storage_id(pid: Any) -> tuple[torch.dtype, str, str, int]:
+    """``(dtype, key, location, numel)`` of torch.save's persistent id of a storage."""
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        raise NotPlain("persistent id")
+    _, storage_type, key, location, numel = pid
+    if (_StorageType is None or not isinstance(storage_type, _StorageType) or type(key) is not str
+            or type(location) is not str or type(numel) is not int or numel < 0):
+        raise NotPlain("persistent id")
+    return storage_type.dtype, key, location, numel
 
 
 def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
@@ -91,17 +102,95 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, r
     return t
 
 
-def meta_storage_at(offsets: Mapping[str, int]) -> StorageAt:
-    """Each storage on the meta device, its data's offset in the file in ``_fp_offset``
-    (``offsets``: record name under the archive, ``data/<key>``, to that offset)."""
-    def storage_at(key: str, nbytes: int, location: str) -> torch.UntypedStorage:
-        offset = offsets.get(f"data/{key}")
-        if offset is None:
-            raise NotPlain(f"no record data/{key}")
-        st = torch.UntypedStorage(nbytes, device="meta")
-        st._fp_offset = offset
+@dataclass(frozen=True)
+class SavedTensor:
+    """A tensor of the file, not read: where its storage's bytes lie in the file and how
+    the tensor views them (what ``load_into`` needs of each, without building a tensor)."""
+
+    offset: int  # of its storage's bytes in the file
+    storage_nbytes: int
+    dtype: torch.dtype
+    storage_offset: int  # in elements, as torch's
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def element_size(self) -> int:
+        return torch._utils._element_size(self.dtype)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def is_contiguous(self) -> bool:
+        """As torch's: strides of a dense row-major layout, sizes of 1 aside; empty is contiguous."""
+        if 0 in self.shape:
+            return True
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+
+@dataclass(frozen=True)
+class _SavedStorage:
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+
+
+def _ints(v: Any) -> bool:
+    return type(v) is tuple and all(type(x) is int and x >= 0 for x in v)
+
+
+def _saved_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
+                  backward_hooks: Any, metadata: Any = None) -> SavedTensor:
+    """``_rebuild_tensor_v2`` for :func:`structure`: the view, checked to lie in its storage
+    as torch's ``set_`` checks it; anything else is not plain (torch's unpickler answers)."""
+    if (not isinstance(storage, _SavedStorage) or backward_hooks or metadata or type(requires_grad) is not bool
+            or type(storage_offset) is not int or storage_offset < 0 or not _ints(size) or not _ints(stride)
+            or len(size) != len(stride)):
+        raise NotPlain("tensor")
+    t = SavedTensor(storage.offset, storage.nbytes, storage.dtype, storage_offset, size, stride)
+    if t.numel() and (storage_offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1) * t.element_size \
+            > storage.nbytes:
+        raise NotPlain("tensor outside its storage")
+    return t
+
+
+class _StructureUnpickler(_PlainUnpickler):
+    """The pickle's object with a :class:`SavedTensor` for each tensor."""
+
+    def __init__(self, data: bytes, offsets: Mapping[str, int]) -> None:
+        super().__init__(data, lambda *a: None)
+        self._offsets = offsets
+        self._saved: dict[str, _SavedStorage] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _saved_tensor
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        dtype, key, _, numel = _storage_id(pid)
+        st = self._saved.get(key)
+        if st is None:
+            offset = self._offsets.get(f"data/{key}")
+            if offset is None:
+                raise NotPlain(f"no record data/{key}")
+            st = self._saved[key] = _SavedStorage(offset, numel * torch._utils._element_size(dtype), dtype)
+        elif st.dtype != dtype:  # torch's unpickler refuses one storage under two dtypes too
+            raise NotPlain("a storage under two dtypes")
         return st
-    return storage_at
+
+
+def structure(zf: Any, offsets: Mapping[str, int]) -> Any:
+    """The object pickled in ``zf`` with a :class:`SavedTensor` in place of each tensor
+    (``offsets``: record name under the archive, ``data/<key>``, to its data's offset in
+    the file); ``NotImplemented`` where the pickle is not plain (see the module) or the
+    file is not little-endian."""
+    return _unpickle_with(zf, lambda data: _StructureUnpickler(data, offsets))
 
 
 def unpickle(zf: Any, storage_at: StorageAt) -> Any:
@@ -109,12 +198,16 @@ def unpickle(zf: Any, storage_at: StorageAt) -> Any:
     ``storage_at(key, nbytes, location)`` (which raises :class:`NotPlain` for one it cannot
     give); ``NotImplemented`` where the pickle is not plain (see the module) or the file is
     not little-endian."""
+    return _unpickle_with(zf, lambda data: _PlainUnpickler(data, storage_at))
+
+
+def _unpickle_with(zf: Any, unpickler: Callable[[bytes], pickle.Unpickler]) -> Any:
     try:
         if zf.has_record("byteorder") and zf.get_record("byteorder") != b"little":
             return NotImplemented
         data = zf.get_record("data.pkl")
         if not data.startswith(b"\x80\x02"):  # torch.save's protocol; any other is torch's to read
             return NotImplemented
-        return _PlainUnpickler(data, storage_at).load()
+        return unpickler(data).load()
     except Exception:  # noqa: BLE001 - anything the fast path cannot read is torch's to answer
         return NotImplemented

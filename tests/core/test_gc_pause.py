@@ -1,4 +1,4 @@
-"""gc_paused: the collector is off while a save serialises, and exactly as the user left it afterwards."""
+"""gc_paused: the collector is off while a save serialises and a load unpickles, and exactly as the user left it afterwards."""
 
 from __future__ import annotations
 
@@ -131,3 +131,33 @@ def test_a_save_written_early_on_a_thread_runs_whole_within_the_pause(disk_dir, 
     else:
         assert collections, "above the bound the write runs with the collector on (the test would be blind)"
     fp_core.verify(os.path.join(disk_dir, "big.pt"))
+
+
+class _LoadProbe:
+    """Records whether the collector ran automatically while it was being unpickled."""
+
+    seen: list[bool] = []
+
+    def __init__(self) -> None:
+        _LoadProbe.seen.append(gc.isenabled())
+
+    def __reduce__(self):
+        return (_LoadProbe, ())
+
+
+@pytest.mark.parametrize("how", ["load", "load mmap", "load_into"])
+@pytest.mark.parametrize("enabled", [True, False])
+def test_loads_unpickle_with_the_collector_paused_and_restore_it(disk_dir, restore_gc, enabled, how):
+    """A load builds a large state's objects (the zip directory's entries, the unpickled
+    structure); a full collection among them cost load_into more than building them."""
+    path = os.path.join(disk_dir, "probe.pt")
+    fp_core.save({"w": torch.ones(3), "probe": _LoadProbe()}, path)
+    (gc.enable if enabled else gc.disable)()
+    _LoadProbe.seen.clear()
+    if how == "load_into":
+        out = fp_core.load_into({"w": torch.empty(3), "probe": None}, path, weights_only=False)
+    else:
+        out = fp_core.load(path, weights_only=False, mmap=how == "load mmap")
+    assert isinstance(out["probe"], _LoadProbe) and torch.equal(out["w"], torch.ones(3))
+    assert _LoadProbe.seen == [False]
+    assert gc.isenabled() is enabled

@@ -277,3 +277,67 @@ def test_only_torch_saves_protocol_is_read_fast(tmp_path):
         fp_core.load(path, weights_only=True)
     got = fp_core.load(path, weights_only=False)
     assert torch.equal(got["w"], state["w"]) and got["n"] == 3
+
+
+def _flat(obj, out):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _flat(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _flat(v, out)
+    else:
+        out.append(obj)
+    return out
+
+
+@pytest.mark.parametrize("writer", ["torch", "fastpersist"])
+def test_structure_describes_each_tensor_as_torch_load_builds_it(tmp_path, writer):
+    """load_into's structure: a SavedTensor per tensor, with torch.load's dtype, shape,
+    strides, storage offset and contiguity, its storage's bytes at its offset in the file,
+    and one offset for tensors of one storage."""
+    from fp_core.file_image import storage_entries
+    from fp_core.integrity import CheckpointFile
+
+    state = _plain_state()
+    path = str(tmp_path / "s.pt")
+    torch.save(state, path) if writer == "torch" else fp_core.save(state, path)
+    expected = torch.load(path, weights_only=True)
+    with open(path, "rb") as f:
+        raw = f.read()
+    with CheckpointFile(path) as cf:
+        entries = storage_entries(cf)
+        offsets = {i.filename.partition("/")[2]: off for i, off in zip(entries, cf.data_offsets(entries))}
+    with _zip_reader(path) as zf:
+        saved = plain_unpickle.structure(zf, offsets)
+    assert saved is not NotImplemented
+    assert saved["meta"] == state["meta"]
+    by_storage = {}
+    for s, t in zip(_flat(saved, []), _flat(expected, [])):
+        if not isinstance(t, torch.Tensor):
+            assert s == t
+            continue
+        assert isinstance(s, plain_unpickle.SavedTensor)
+        assert (s.dtype, s.shape, s.stride, s.storage_offset) == (t.dtype, tuple(t.shape), t.stride(),
+                                                                  t.storage_offset())
+        assert s.is_contiguous() == t.is_contiguous() and s.numel() == t.numel()
+        st = t.untyped_storage()
+        assert s.storage_nbytes == st.nbytes()
+        assert raw[s.offset:s.offset + s.storage_nbytes] == bytes(st)  # its storage's bytes lie there
+        assert by_storage.setdefault(st.data_ptr(), s.offset) == s.offset
+
+
+def test_a_view_outside_its_storage_is_not_plain():
+    """What torch's set_ refuses is not described here either: torch's unpickler answers."""
+    st = plain_unpickle._SavedStorage(4096, 40, torch.float32)  # 10 floats
+    ok = plain_unpickle._saved_tensor(st, 2, (2, 4), (4, 1), False, collections.OrderedDict())
+    assert ok.numel() == 8 and ok.is_contiguous()
+    assert not plain_unpickle._saved_tensor(st, 0, (4, 2), (1, 4), False, collections.OrderedDict()).is_contiguous()
+    assert plain_unpickle._saved_tensor(st, 99, (0,), (1,), False, collections.OrderedDict()).numel() == 0
+    for args in [(3, (2, 4), (4, 1), False),  # one element past the end
+                 (0, (11,), (1,), False), (0, (2,), (-1,), False), (-1, (2,), (1,), False),
+                 (0, (2,), (1, 1), False), (0, [2], [1], False), (0, (2.0,), (1,), False), (0, (2,), (1,), 1)]:
+        with pytest.raises(plain_unpickle.NotPlain):
+            plain_unpickle._saved_tensor(st, *args, collections.OrderedDict())
+    with pytest.raises(plain_unpickle.NotPlain):  # hooks
+        plain_unpickle._saved_tensor(st, 0, (2,), (1,), False, collections.OrderedDict(a=1))
