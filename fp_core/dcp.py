@@ -59,7 +59,7 @@ from torch.futures import Future
 
 from . import _native, commit, read_depth, ziptail
 from .engine import EngineOptions
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 from .integrity import CheckpointFile
 from .local import rename_os_error
 from .plan import FilePlan, StorageExtent, align_up, byte_view
@@ -415,8 +415,14 @@ class FastPersistReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(self.path, METADATA)
-        with open(path, "rb") as f:
-            md = pickle.load(f)  # DCP's own format (stock FileSystemReader does the same)
+        raw = _read_small(path, 1 << 30)
+        if self.verify:  # its offsets decide what every read fetches: checked before it is believed
+            _check_metadata(self.path, raw)
+        try:
+            md = pickle.loads(raw)  # DCP's own format (stock FileSystemReader does the same)
+        except Exception:
+            _check_metadata(self.path, raw)  # a damaged .metadata is named as such
+            raise
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -652,7 +658,21 @@ def _dir_manifest(d: str) -> dict[str, int]:
     """``{rank file: CRC-32C of its manifest}`` of a FastPersist DCP directory, with
     ``.metadata`` checked against its CRC; raises for a directory FastPersist did not write
     (:class:`NotAFastPersistCheckpoint`) or a damaged one."""
-    from .errors import NotAFastPersistCheckpoint
+
+    table, meta_crc = _read_dir_manifest(d)
+    try:
+        meta = _read_small(os.path.join(d, METADATA), 1 << 30)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(d, METADATA, "the checkpoint directory has no .metadata") from None
+    if _native.crc32c(meta) != meta_crc:
+        raise CorruptCheckpointError(os.path.join(d, METADATA), METADATA, "CRC-32C does not match")
+    return table
+
+
+def _read_dir_manifest(d: str) -> tuple[dict[str, int], int]:
+    """``({rank file: CRC-32C of its manifest}, CRC-32C of .metadata)`` from a FastPersist
+    DCP directory's manifest, checked to parse (:class:`NotAFastPersistCheckpoint` where
+    there is none)."""
 
     path = os.path.join(d, DIR_MANIFEST)
     try:
@@ -672,13 +692,19 @@ def _dir_manifest(d: str) -> dict[str, int]:
     if doc.get("format") != FORMAT or not all(
             isinstance(n, str) and n.endswith(DATA_SUFFIX) and "/" not in n and not n.startswith(".") for n in table):
         raise CorruptCheckpointError(path, DIR_MANIFEST, "not a FastPersist DCP directory manifest")
+    return table, meta_crc
+
+
+def _check_metadata(d: str, raw: bytes) -> None:
+    """``raw`` (the bytes of ``d``'s .metadata) against the CRC-32C its FastPersist directory
+    manifest recorded; nothing to check for a directory stock DCP wrote."""
+
     try:
-        meta = _read_small(os.path.join(d, METADATA), 1 << 30)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(d, METADATA, "the checkpoint directory has no .metadata") from None
-    if _native.crc32c(meta) != meta_crc:
+        _, want = _read_dir_manifest(d)
+    except NotAFastPersistCheckpoint:
+        return
+    if _native.crc32c(raw) != want:
         raise CorruptCheckpointError(os.path.join(d, METADATA), METADATA, "CRC-32C does not match")
-    return table
 
 
 def verify_dir(path: str | os.PathLike) -> dict:

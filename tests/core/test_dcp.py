@@ -115,6 +115,32 @@ def test_a_damaged_item_is_found_and_named(tmp_path):
     assert cli.main(["verify", d]) == 1
 
 
+def test_a_damaged_or_swapped_metadata_is_named(tmp_path):
+    """.metadata decides where every read looks. Verified, it is checked against the
+    directory manifest's CRC before it is unpickled: another save's .metadata (a valid
+    pickle) is refused. Unverified, one that does not unpickle is named as damaged (inside
+    DCP's own error, which reports what read_metadata raised), not a bare pickle error."""
+    import shutil
+
+    d, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    dcp.save(state(3), storage_writer=FastPersistWriter(d))
+    dcp.save({"model": {"w": torch.ones(7)}}, storage_writer=FastPersistWriter(other))
+    meta = os.path.join(d, ".metadata")
+    good = open(meta, "rb").read()
+    shutil.copyfile(os.path.join(other, ".metadata"), meta)
+    with pytest.raises(BaseException) as ei:
+        dcp.load(blank(), storage_reader=FastPersistReader(d, verify=True))
+    assert f"corrupt checkpoint {meta}" in str(ei.value) and "CRC-32C" in str(ei.value)
+    open(meta, "wb").write(good[:len(good) // 2])
+    with pytest.raises(BaseException) as ei:
+        dcp.load(blank(), storage_reader=FastPersistReader(d))
+    assert f"corrupt checkpoint {meta}" in str(ei.value)
+    open(meta, "wb").write(good)
+    got = blank()
+    dcp.load(got, storage_reader=FastPersistReader(d, verify=True))
+    assert_state(got, state(3))
+
+
 @pytest.mark.parametrize("edit", ["not json", "offset past the end", "overlap", "crc not hex", "data outside its item",
                                   "data size not the shape's", "dtype not a dtype", "dtype a torch submodule",
                                   "negative shape"])
