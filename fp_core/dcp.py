@@ -658,7 +658,6 @@ def _dir_manifest(d: str) -> dict[str, int]:
     """``{rank file: CRC-32C of its manifest}`` of a FastPersist DCP directory, with
     ``.metadata`` checked against its CRC; raises for a directory FastPersist did not write
     (:class:`NotAFastPersistCheckpoint`) or a damaged one."""
-
     table, meta_crc = _read_dir_manifest(d)
     try:
         meta = _read_small(os.path.join(d, METADATA), 1 << 30)
@@ -673,7 +672,6 @@ def _read_dir_manifest(d: str) -> tuple[dict[str, int], int]:
     """``({rank file: CRC-32C of its manifest}, CRC-32C of .metadata)`` from a FastPersist
     DCP directory's manifest, checked to parse (:class:`NotAFastPersistCheckpoint` where
     there is none)."""
-
     path = os.path.join(d, DIR_MANIFEST)
     try:
         raw = _read_small(path)
@@ -698,7 +696,6 @@ def _read_dir_manifest(d: str) -> tuple[dict[str, int], int]:
 def _check_metadata(d: str, raw: bytes) -> None:
     """``raw`` (the bytes of ``d``'s .metadata) against the CRC-32C its FastPersist directory
     manifest recorded; nothing to check for a directory stock DCP wrote."""
-
     try:
         _, want = _read_dir_manifest(d)
     except NotAFastPersistCheckpoint:

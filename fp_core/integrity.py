@@ -369,8 +369,10 @@ def find_damage(cf: CheckpointFile) -> CorruptCheckpointError | None:
     """The damage that explains a failed unchecked load of ``cf``, if its structure shows
     one: the tail, the manifest against the zip, the zip's structure and the small records
     (the pickle among them) for a FastPersist file; for another tool's zip, a directory
-    that reads and local headers that lie in the file. ``None`` where none is found (the
-    load's own error then stands: a missing class, a device that is not there...)."""
+    that reads, local headers in the file under the directory's names and small records
+    that match the zip's own CRC-32 (:func:`_check_zip_of_another_tool`). ``None`` where
+    none is found (the load's own error then stands: a missing class, a device that is
+    not there...)."""
     try:
         view = read_manifest(cf)
         check_structure(cf, view)

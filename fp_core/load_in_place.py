@@ -10,9 +10,8 @@ tensor is matched with the target's tensor at the same place (same keys, shape a
 dtype), and one native scatter read fills them all: pieces near each other in the file
 read together, up to 2 MiB per request, many in flight, O_DIRECT straight in where the
 target is aligned like the file. No fresh memory is touched: the target's pages are
-already there. A target that cannot be filled in place
-(on a device, not contiguous, a view of part of a saved storage) is filled from a host
-copy of its record.
+already there. A target that cannot be filled in place (on a device, not contiguous, a
+view of part of a saved storage) is filled from a host copy of its record.
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ def _keep_on_meta(storage: Any, location: str) -> Any:
     return storage
 
 
-def _saved_tensor(t: torch.Tensor) -> SavedTensor | torch.Tensor:
+def _described(t: torch.Tensor) -> SavedTensor | torch.Tensor:
     """A meta tensor of torch's unpickler as a :class:`SavedTensor`; a loaded one as it is."""
     off = _meta_offset(t)
     if off is None:
@@ -90,7 +89,7 @@ def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
             raise ValueError(f"load_into: {key or 'the tensor'} is {tuple(saved.shape)} {saved.dtype} in the file, "
                              f"{tuple(target.shape)} {target.dtype} in the target")
         if isinstance(saved, torch.Tensor):
-            saved = _saved_tensor(saved)
+            saved = _described(saved)
         if isinstance(saved, torch.Tensor):  # read whole (no offsets): copied from the loaded tensor
             fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
             return target
