@@ -557,8 +557,8 @@ DAMAGES = {
 @pytest.mark.parametrize("how", sorted(UNCHECKED_LOADS))
 def test_an_unchecked_load_of_a_damaged_file_names_the_damage(tmp_path, writer, damage, how):
     """Without verify, a load that fails on a damaged file raises CorruptCheckpointError
-    naming the path (torch's own error chained where there was one), not torch's RuntimeError, a pickle error
-    or a seek before the file's start."""
+    naming the path (torch's own error chained where there was one), not torch's
+    RuntimeError, a pickle error or a seek before the file's start."""
     state, target = _state_and_target()
     good = str(tmp_path / "good.pt")
     (fp_core.save if writer == "fastpersist" else torch.save)(state, good)
