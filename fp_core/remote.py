@@ -558,14 +558,25 @@ def load(url: str, map_location: Any = None, weights_only: bool | None = None, v
     """``fp_core.load`` of a remote URL: fetched into staging (or the cache), then loaded natively
     (with ``mmap``, mapped on the staged copy, whose disk space outlives its name until the
     tensors are freed)."""
-    with fetch(url, storage_options=storage_options, keep_local=keep_local) as local:
+    with fetch(url, storage_options=storage_options, keep_local=keep_local) as local, damage_of(url):
         return loader.load(local, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
 
 
 def verify(url: str, *, storage_options: dict | None = None, keep_local: bool = False) -> dict:
     """``fp_core.verify`` of a remote checkpoint (checked on a staged copy)."""
-    with fetch(url, storage_options=storage_options, keep_local=keep_local) as local:
+    with fetch(url, storage_options=storage_options, keep_local=keep_local) as local, damage_of(url):
         return integrity.verify(local)
+
+
+@contextlib.contextmanager
+def damage_of(url: str) -> Iterator[None]:
+    """Around the check or load of a staged copy of ``url``: a :class:`CorruptCheckpointError`
+    names the URL the caller gave (the staged copy's path, usually gone by the time it is
+    read, is in the chained error)."""
+    try:
+        yield
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(url, e.record, e.detail, e.tensor) from e
 
 
 def exists(url: str, *, storage_options: dict | None = None) -> bool:

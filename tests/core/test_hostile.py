@@ -647,3 +647,33 @@ def test_a_damaged_file_is_still_the_runtime_error_torch_load_raises(tmp_path):
     with pytest.raises(RuntimeError) as ei:
         fp_core.load(path)
     assert isinstance(ei.value, CorruptCheckpointError)
+
+
+def test_a_damaged_remote_checkpoint_is_named_by_its_url(mem, tmp_path):
+    """A remote checkpoint is checked and loaded on a staged copy, which is gone by the time
+    the error is read: the CorruptCheckpointError names the URL the caller gave (the staged
+    copy's error chained)."""
+    fs, root = mem
+    state, target = _state_and_target()
+    local = str(tmp_path / "c.pt")
+    fp_core.save(state, local)
+    raw = bytearray(open(local, "rb").read())
+    rec = next(r for r in fp_core.inspect(local) if r.get("tensor") == "model.l3.w")
+    raw[rec["offset"] + 10] ^= 0x04
+    url = f"{root}/damaged.pt"
+    with fs.open(url.removeprefix("memory://"), "wb") as f:
+        f.write(bytes(raw))
+    truncated = f"{root}/truncated.pt"
+    with fs.open(truncated.removeprefix("memory://"), "wb") as f:
+        f.write(bytes(raw[:len(raw) // 3]))
+    for what, call in [("verify", lambda u: fp_core.verify(u)),
+                       ("load verify", lambda u: fp_core.load(u, verify=True)),
+                       ("load_into verify", lambda u: fp_core.load_into(target, u, verify=True))]:
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call(url)
+        assert ei.value.path == url and ei.value.tensor == "model.l3.w", what
+        assert isinstance(ei.value.__cause__, CorruptCheckpointError), what
+    for what, call in [("load", lambda u: fp_core.load(u)), ("load_into", lambda u: fp_core.load_into(target, u))]:
+        with pytest.raises(CorruptCheckpointError) as ei:
+            call(truncated)
+        assert ei.value.path == truncated, what
