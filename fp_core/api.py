@@ -172,7 +172,8 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, wei
     if is_remote:
         from . import remote
 
-        with remote.fetch(p, storage_options=storage_options, keep_local=keep_local) as local, remote.damage_of(p):
+        with remote.fetch(p, storage_options=storage_options, keep_local=keep_local) as local, \
+                remote.named_by_url(p, local):
             return fill(target, local, verify=verify, weights_only=weights_only)
     return fill(target, p, verify=verify, weights_only=weights_only)
 

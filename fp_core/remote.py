@@ -59,6 +59,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import stat
@@ -70,7 +71,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import commit, deferred_free, integrity, loader
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 from .paths import is_remote, split
 from .sizes import parse_size
 
@@ -558,25 +559,30 @@ def load(url: str, map_location: Any = None, weights_only: bool | None = None, v
     """``fp_core.load`` of a remote URL: fetched into staging (or the cache), then loaded natively
     (with ``mmap``, mapped on the staged copy, whose disk space outlives its name until the
     tensors are freed)."""
-    with fetch(url, storage_options=storage_options, keep_local=keep_local) as local, damage_of(url):
+    with fetch(url, storage_options=storage_options, keep_local=keep_local) as local, named_by_url(url, local):
         return loader.load(local, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
 
 
 def verify(url: str, *, storage_options: dict | None = None, keep_local: bool = False) -> dict:
     """``fp_core.verify`` of a remote checkpoint (checked on a staged copy)."""
-    with fetch(url, storage_options=storage_options, keep_local=keep_local) as local, damage_of(url):
+    with fetch(url, storage_options=storage_options, keep_local=keep_local) as local, named_by_url(url, local):
         return integrity.verify(local)
 
 
 @contextlib.contextmanager
-def damage_of(url: str) -> Iterator[None]:
-    """Around the check or load of a staged copy of ``url``: a :class:`CorruptCheckpointError`
-    names the URL the caller gave (the staged copy's path, usually gone by the time it is
-    read, is in the chained error)."""
+def named_by_url(url: str, local: str) -> Iterator[None]:
+    """Around the check or load of ``local``, a staged copy of ``url``: the errors that name
+    the file (:class:`CorruptCheckpointError`, :class:`NotAFastPersistCheckpoint`, torch's
+    weights-only refusal) name the URL the caller gave instead of the staged copy's path,
+    usually gone by the time the error is read (it stays in the chained error)."""
     try:
         yield
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(url, e.record, e.detail, e.tensor) from e
+    except (NotAFastPersistCheckpoint, pickle.UnpicklingError) as e:
+        if local not in str(e):
+            raise
+        raise type(e)(str(e).replace(local, url)) from e
 
 
 def exists(url: str, *, storage_options: dict | None = None) -> bool:

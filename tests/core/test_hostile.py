@@ -652,7 +652,8 @@ def test_a_damaged_file_is_still_the_runtime_error_torch_load_raises(tmp_path):
 def test_a_damaged_remote_checkpoint_is_named_by_its_url(mem, tmp_path):
     """A remote checkpoint is checked and loaded on a staged copy, which is gone by the time
     the error is read: the CorruptCheckpointError names the URL the caller gave (the staged
-    copy's error chained)."""
+    copy's error chained), and so do "not a FastPersist checkpoint" and torch's
+    weights-only refusal."""
     fs, root = mem
     state, target = _state_and_target()
     local = str(tmp_path / "c.pt")
@@ -677,3 +678,16 @@ def test_a_damaged_remote_checkpoint_is_named_by_its_url(mem, tmp_path):
         with pytest.raises(CorruptCheckpointError) as ei:
             call(truncated)
         assert ei.value.path == truncated, what
+    # the other errors that name the file name the URL too
+    stock = f"{root}/stock.pt"
+    torch.save(state, local)
+    with fs.open(stock.removeprefix("memory://"), "wb") as f:
+        f.write(open(local, "rb").read())
+    with pytest.raises(fp_core.NotAFastPersistCheckpoint, match=f"^{stock} has no FastPersist manifest"):
+        fp_core.verify(stock)
+    refused = f"{root}/refused.pt"
+    fp_core.save({"obj": _NotAllowed()}, local)
+    with fs.open(refused.removeprefix("memory://"), "wb") as f:
+        f.write(open(local, "rb").read())
+    with pytest.raises(pickle.UnpicklingError, match=f"Weights only load failed for {refused}:"):
+        fp_core.load(refused, weights_only=True)
