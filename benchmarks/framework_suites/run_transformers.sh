@@ -68,11 +68,14 @@ fi
 TESTS=(
     tests/trainer/test_trainer_checkpointing.py
     tests/trainer/test_trainer_hyperparameter.py
-    tests/trainer/test_trainer_callback.py::TrainerCallbackTest
-    tests/trainer/test_trainer_callback.py::StatefulCallbackTest
-    tests/trainer/test_trainer_callback.py::TrainerStateTest
     tests/trainer/test_fastpersist_supplementary.py
 )
+# The callback classes that exist in this version's file (later versions dropped the last two).
+for cls in TrainerCallbackTest StatefulCallbackTest TrainerStateTest; do
+    if grep -q "^class $cls" "$DEST/tests/trainer/test_trainer_callback.py"; then
+        TESTS+=("tests/trainer/test_trainer_callback.py::$cls")
+    fi
+done
 
 RESULTS="$DEST/results-$(date +%Y%m%d-%H%M%S)"
 mkdir -p "$RESULTS"
