@@ -378,6 +378,7 @@ def _read_regular(path: str, limit: int) -> bytes:
 
 
 def _read_small(path: str, limit: int = 64 << 20) -> bytes:
+    """The first ``limit`` bytes of ``path`` (-1: all of it)."""
     with open(path, "rb") as f:
         return f.read(limit)
 
@@ -415,7 +416,7 @@ class FastPersistReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(self.path, METADATA)
-        raw = _read_small(path, 1 << 30)
+        raw = _read_small(path, -1)  # whole, as pickle.load read it: DCP's format sets no size cap
         if self.verify:  # its offsets decide what every read fetches: checked before it is believed
             _check_metadata(self.path, raw)
         try:
@@ -660,7 +661,7 @@ def _dir_manifest(d: str) -> dict[str, int]:
     (:class:`NotAFastPersistCheckpoint`) or a damaged one."""
     table, meta_crc = _read_dir_manifest(d)
     try:
-        meta = _read_small(os.path.join(d, METADATA), 1 << 30)
+        meta = _read_small(os.path.join(d, METADATA), -1)  # whole: a cap would call a large one damaged
     except FileNotFoundError:
         raise CorruptCheckpointError(d, METADATA, "the checkpoint directory has no .metadata") from None
     if _native.crc32c(meta) != meta_crc:

@@ -37,6 +37,7 @@ import torch
 
 from . import _native, plain_unpickle, read_depth
 from .errors import CorruptCheckpointError
+from .gc_pause import gc_paused
 from .integrity import CheckpointFile, ManifestView, check_crc, check_records_against_zip, check_structure
 from .manifest import STRUCTURE, RecordInfo
 from .thread_wait import wait_until_out
@@ -396,7 +397,8 @@ def load_image(cf: CheckpointFile, view: ManifestView | None, map_location: Any,
             check_structure(cf, view)
         storage = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
         slices = _RecordSlices(cf.path, storage, cf.size)
-        with _MemoryFile(cf.image) as f, torch.serialization._open_zipfile_reader(f) as zf:
+        # see gc_pause: a full collection among the unpickled objects costs more than they do
+        with gc_paused(), _MemoryFile(cf.image) as f, torch.serialization._open_zipfile_reader(f) as zf:
             if torch.serialization._is_torchscript_zip(zf):
                 return NotImplemented
             obj = NotImplemented

@@ -11,12 +11,16 @@ so pausing it meanwhile loses nothing: the collector resumes on the caller's nex
 allocations with whatever cycles were made meanwhile.
 
 Process-wide and reference-counted: overlapping saves and loads on several threads pause
-it once, and a collector the user has disabled stays disabled.
+it once, and a collector the user has disabled stays disabled. A child forked while a
+pause is held (a DataLoader worker forked during a load on another thread) starts with
+the collector as the user left it. Loads pause only while they build objects, not for
+their reads.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,6 +34,7 @@ _resume = False
 def gc_paused() -> Iterator[None]:
     """Disable automatic garbage collection for the block (nestable, thread-safe)."""
     global _depth, _resume
+    pid = os.getpid()
     with _lock:
         if _depth == 0:
             _resume = gc.isenabled()
@@ -38,7 +43,23 @@ def gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0 and _resume:
-                gc.enable()
+        if os.getpid() == pid:  # a child forked inside the block starts unpaused (_after_fork)
+            with _lock:
+                _depth -= 1
+                if _depth == 0 and _resume:
+                    gc.enable()
+
+
+def _after_fork() -> None:
+    """A child forked while some thread held a pause (a DataLoader worker forked during a
+    load on another thread) has no such thread: its collector is as the user left it, and
+    its lock new (the parent's may have been held at the fork)."""
+    global _lock, _depth
+    _lock = threading.Lock()
+    if _depth:
+        _depth = 0
+        if _resume:
+            gc.enable()
+
+
+os.register_at_fork(after_in_child=_after_fork)

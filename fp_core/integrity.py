@@ -373,6 +373,8 @@ def find_damage(cf: CheckpointFile) -> CorruptCheckpointError | None:
     that match the zip's own CRC-32 (:func:`_check_zip_of_another_tool`). ``None`` where
     none is found (the load's own error then stands: a missing class, a device that is
     not there...)."""
+    if cf.pread(0, 4) != b"PK\x03\x04" and not cf.carries_tail_mark():
+        return None  # not a zip at all (empty, a pointer file, another format): the load's own error
     try:
         view = read_manifest(cf)
         check_structure(cf, view)
@@ -391,14 +393,15 @@ def find_damage(cf: CheckpointFile) -> CorruptCheckpointError | None:
 def _check_zip_of_another_tool(cf: CheckpointFile) -> None:
     """A zip without a manifest (``torch.save``'s): its directory reads, each entry's local
     header lies in the file under the directory's name, and its small records (the
-    pickle, torch's version records) match the zip's own CRC-32."""
+    pickle, torch's version records) match the zip's own CRC-32 where it has one
+    (``torch.utils.serialization.config.save.compute_crc32 = False`` writes 0)."""
     entries = cf.zip_directory()[0]
     for info, off in zip(entries, cf.data_offsets(entries)):
         name = info.filename.encode()
         if cf.pread(info.header_offset + _LOCAL_HEADER, len(name)) != name:
             raise CorruptCheckpointError(cf.path, info.filename, f"the local header at byte {info.header_offset} "
                                          "names another record than the zip directory")
-        if info.compress_type == zipfile.ZIP_STORED and info.file_size <= _SMALL_RECORD:
+        if info.compress_type == zipfile.ZIP_STORED and info.file_size <= _SMALL_RECORD and info.CRC:
             crc = zlib.crc32(cf.pread(off, info.file_size))
             if crc != info.CRC:
                 raise CorruptCheckpointError(cf.path, info.filename, f"CRC-32 {crc:08x}, the zip directory says "

@@ -47,7 +47,7 @@ class _Fill:
     key: str
     target: torch.Tensor
     offset: int  # of the tensor's bytes in the file
-    nbytes: int
+    nbytes: int  # that its view spans (from its first element to its last)
     record: tuple[int, int]  # (offset, size) of the storage record holding them
     source: Any  # SavedTensor (storage offset, strides) for a copy; a loaded tensor where read whole
 
@@ -93,8 +93,12 @@ def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
         if isinstance(saved, torch.Tensor):  # read whole (no offsets): copied from the loaded tensor
             fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
             return target
+        if saved.numel() == 0:
+            return target  # nothing to read (an empty view may point anywhere, even past its storage)
         es = saved.element_size
-        fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, saved.numel() * es,
+        # the bytes the view spans: numel * es where it is dense, less for an expanded one (stride 0)
+        span = (sum((n - 1) * st for n, st in zip(saved.shape, saved.stride)) + 1) * es
+        fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, span,
                            (saved.offset, saved.storage_nbytes), saved))
         return target
     if isinstance(saved, Mapping):
@@ -148,11 +152,12 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     if not file_image.applies(None):
         # no offsets from torch's headers here: load it whole (checked there) and copy
         return _load_and_copy(target, path, verify, weights_only)
-    with gc_paused(), CheckpointFile(path) as cf:  # see gc_pause, and loader.load
+    with CheckpointFile(path) as cf:
         if not verify:
             with damage_named(cf):  # a load that fails on a damaged file says so
                 return _fill(cf, None, target, path, weights_only)
-        view = read_manifest(cf)  # the records' offsets and sizes match the zip's headers
+        with gc_paused():  # see gc_pause: the zip directory's entries, the manifest's records
+            view = read_manifest(cf)  # the records' offsets and sizes match the zip's headers
         try:
             check_small_records(cf, view)  # the pickle before it is unpickled
         except CorruptCheckpointError:
@@ -180,19 +185,26 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
     """load_into's work once the file is open (and its manifest read and checked, ``view``)."""
     verify = view is not None
     wo = file_image.resolve_weights_only(weights_only)
-    # every storage's data offset, its local header read in one scatter read
-    entries = file_image.storage_entries(cf)
-    offsets = cf.data_offsets(entries)
-    sizes = {off: info.file_size for info, off in zip(entries, offsets)}
-    with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
-        if zf.has_record("byteorder") and zf.get_record("byteorder").decode(errors="replace") != sys.byteorder:
-            return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
-        saved = plain_unpickle.structure(zf, _under_archive(cf, entries, offsets))
-        if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
-            f.prefetch_small_reads()
-            saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
-        fills: list[_Fill] = []
-        result = _match(saved, target, "", fills)
+    # See gc_pause: a full collection among the objects built here (the zip directory's
+    # entries, the structure, the fills) cost more than building them; the read after
+    # builds none.
+    with gc_paused():
+        # every storage's data offset, its local header read in one scatter read
+        entries = file_image.storage_entries(cf)
+        offsets = cf.data_offsets(entries)
+        sizes = {off: info.file_size for info, off in zip(entries, offsets)}
+        with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
+            swapped = zf.has_record("byteorder") and \
+                zf.get_record("byteorder").decode(errors="replace") != sys.byteorder
+            if not swapped:
+                saved = plain_unpickle.structure(zf, _under_archive(cf, entries, offsets))
+                if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
+                    f.prefetch_small_reads()
+                    saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
+                fills: list[_Fill] = []
+                result = _match(saved, target, "", fills)
+    if swapped:
+        return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
     _read_fills(cf, view, fills, sizes)
     return result
 

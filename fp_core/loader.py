@@ -143,15 +143,14 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     """
     if verify not in (True, False, "auto"):
         raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
-    # see gc_pause: a full collection among a large state's objects (the zip directory's
-    # entries, the unpickled structure) costs more than building them
-    with gc_paused(), CheckpointFile(path) as cf:
+    with CheckpointFile(path) as cf:
         whole = file_image.applies(map_location, mapped=mmap) and cf.pread(0, 4) == b"PK\x03\x04"
         view = None
         if verify:
             try:
                 # read whole, the records are matched with the zip's headers in memory
-                view = read_manifest(cf, check_records=not whole)
+                with gc_paused():  # see gc_pause: the zip directory's entries, the manifest's records
+                    view = read_manifest(cf, check_records=not whole)
             except NotAFastPersistCheckpoint:
                 if verify is True:
                     raise
@@ -174,7 +173,7 @@ def _load(cf: CheckpointFile, view: ManifestView | None, whole: bool, map_locati
         # Tail, structure and small records first: a damaged header must not
         # reach the unpickler. Storages are checked during the load below.
         check_structure(cf, view)
-    with FastReader(cf, view) as f:
+    with gc_paused(), FastReader(cf, view) as f:  # see gc_pause: the unpickled objects
         obj = torch.load(f, map_location=map_location, weights_only=weights_only)
         f.check_unread()
     return obj

@@ -161,3 +161,35 @@ def test_loads_unpickle_with_the_collector_paused_and_restore_it(disk_dir, resto
     assert isinstance(out["probe"], _LoadProbe) and torch.equal(out["w"], torch.ones(3))
     assert _LoadProbe.seen == [False]
     assert gc.isenabled() is enabled
+
+
+def test_a_child_forked_during_a_pause_on_another_thread_collects_again(restore_gc):
+    """A DataLoader worker forked while a load on another thread holds the pause: the child
+    has no such thread, so its collector is back as the user left it, and later pauses in
+    it pause and resume."""
+    from fp_core import gc_pause
+
+    gc.enable()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with gc_paused():
+            inside.set()
+            release.wait()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    inside.wait()
+    assert not gc.isenabled()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        ok = gc.isenabled() and gc_pause._depth == 0
+        with gc_paused():
+            ok = ok and not gc.isenabled()
+        ok = ok and gc.isenabled()
+        os._exit(0 if ok else 1)
+    release.set()
+    t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()

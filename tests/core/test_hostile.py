@@ -691,3 +691,35 @@ def test_a_damaged_remote_checkpoint_is_named_by_its_url(mem, tmp_path):
         f.write(open(local, "rb").read())
     with pytest.raises(pickle.UnpicklingError, match=f"Weights only load failed for {refused}:"):
         fp_core.load(refused, weights_only=True)
+
+
+def test_a_failed_load_of_a_file_without_zip_crcs_keeps_its_own_error(tmp_path):
+    """torch can write its zip without CRC-32s (``compute_crc32 = False``: all 0): a load
+    of such a file that fails for a reason of its own is not called damaged."""
+    from torch.utils.serialization import config
+
+    path = str(tmp_path / "nocrc.pt")
+    was = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        torch.save({"w": torch.ones(3), "obj": _NotAllowed()}, path)
+    finally:
+        config.save.compute_crc32 = was
+    assert isinstance(torch.load(path, weights_only=False)["obj"], _NotAllowed)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        fp_core.load(path, weights_only=True)
+    with pytest.raises(ValueError, match="in the target"):
+        fp_core.load_into({"w": torch.empty(4), "obj": None}, path, weights_only=False)
+
+
+@pytest.mark.parametrize("content", [b"", b"version https://git-lfs.github.com/spec/v1\n", b"\x93NUMPY\x01\x00"])
+def test_a_file_that_is_no_checkpoint_keeps_torchs_error(tmp_path, content):
+    """An empty file, a git-lfs pointer, another format: not a zip at all, so not a
+    damaged checkpoint either; the load raises what torch.load raises for it."""
+    path = str(tmp_path / "x.pt")
+    open(path, "wb").write(content)
+    with pytest.raises(Exception) as want:
+        torch.load(path, weights_only=False)
+    with pytest.raises(Exception) as got:
+        fp_core.load(path, weights_only=False)
+    assert type(got.value) is type(want.value) and not isinstance(got.value, CorruptCheckpointError)

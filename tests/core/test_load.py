@@ -351,6 +351,22 @@ def test_load_into_verify_checks_the_zip_structure_beside_the_reads(disk_dir, mo
     assert not unpickled
 
 
+@pytest.mark.parametrize(("writer", "verify"), [("torch.save", False), ("fastpersist", False), ("fastpersist", True)])
+def test_load_into_reads_expanded_and_empty_views_as_torch_load(disk_dir, writer, verify):
+    """A view that spans fewer bytes than numel * element size (expanded: stride 0) or none
+    (an empty view whose offset lies past its storage's end, which torch allows): load_into
+    fills what torch.load reads, not a CorruptCheckpointError."""
+    state = {"e": torch.randn(1, 4).expand(5, 4), "z": torch.randn(5).as_strided((0, 3), (3, 1), 9),
+             "w": torch.randn(6, 3)}
+    path = os.path.join(disk_dir, "views.pt")
+    (torch.save if writer == "torch.save" else fp_core.save)(state, path)
+    want = torch.load(path, weights_only=True)
+    target = {"e": torch.empty(5, 4), "z": torch.empty(0, 3), "w": torch.empty(6, 3)}
+    fp_core.load_into(target, path, verify=verify)
+    for k in state:
+        assert torch.equal(target[k], want[k]), k
+
+
 def test_the_structure_check_stops_between_reads_when_asked(disk_dir):
     """An interrupt while load_into waits for its structure check asks the check to stop;
     it ends after the read in progress, not after the whole structure."""
