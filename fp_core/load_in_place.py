@@ -186,7 +186,7 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
     verify = view is not None
     wo = file_image.resolve_weights_only(weights_only)
     # See gc_pause: a full collection among the objects built here (the zip directory's
-    # entries, the structure, the fills) cost more than building them; the read after
+    # entries, the structure, the fills) costs more than building them; the read after
     # builds none.
     with gc_paused():
         # every storage's data offset, its local header read in one scatter read
