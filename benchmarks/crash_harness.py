@@ -239,13 +239,25 @@ def check_core_dir(mode: str, d: str, started: set[int], durable_now: int | None
     return {"finals": found, "problems": problems}
 
 
+def _whole_file(path: str) -> bool:
+    """A temporary file left by a kill that passes verification: a whole checkpoint (killed
+    between the link to its temporary name and the rename), not a partial one."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        fp_core.verify(path)
+    except Exception:  # noqa: BLE001 - any failure means not whole
+        return False
+    return True
+
+
 def core_trials(mode: str, n: int, root: str, rng: random.Random, T: float) -> dict:
     d = os.path.join(root, f"crash-{mode}")
     shutil.rmtree(d, ignore_errors=True)
     os.makedirs(d)
     started: set[int] = set()
     res = {"mode": mode, "trials": 0, "failures": 0, "data_lost": 0, "mid_save_kills": 0, "temps_left": 0,
-           "temps_cleaned_by_next_save": 0, "temps_cleaned_by_cli": 0, "survivor_errors": {}, "survivor_hung": 0,
+           "temps_whole": 0, "temps_cleaned_by_next_save": 0, "temps_cleaned_by_cli": 0, "survivor_errors": {}, "survivor_hung": 0,
            "calibrated_save_s": round(T, 4), "problems": [], "kill_offsets": []}
     prev_orphans: list[str] = []
     for i in range(n):
@@ -321,6 +333,7 @@ def core_trials(mode: str, n: int, root: str, rng: random.Random, T: float) -> d
             if o.endswith(TMP_SUFFIX) and not any(f"-{p}-" in o for p in pids):
                 res["problems"].append(f"trial {i}: temp file {o} names no dead writer of this trial")
         res["temps_left"] += len(orphans)
+        res["temps_whole"] += sum(1 for o in orphans if _whole_file(os.path.join(d, o)))
         prev_orphans = orphans
     # The last trial's leftovers: the CLI.
     r = subprocess.run(CLI + ["clean", d], capture_output=True, text=True, cwd=REPO)

@@ -3,9 +3,11 @@
 A crash at any instant leaves the previous checkpoint under the final name: the file is
 written as an unnamed inode (``O_TMPFILE``) and linked into the directory only just before
 the rename, so a save in progress never shows in a listing and a killed one leaves no file
-behind, except one killed in the few microseconds between the link and the rename: that
-leaves the whole new file under its temporary name, which the next save into the directory
-removes (:func:`clean`; there is no atomic "link over" for an unnamed file). Where the filesystem refuses ``O_TMPFILE`` the file is
+behind. A new name is linked straight to the file; an existing one is replaced by a link to
+a temporary name and a rename (there is no atomic "link over" for an unnamed file), both in
+one native call: a process killed in the microseconds between them leaves the whole new
+file under its temporary name, which the next save into the directory removes
+(:func:`clean`). Where the filesystem refuses ``O_TMPFILE`` the file is
 written under a temporary name instead: it starts with a dot and ends in ``.fptmp`` so
 neither Lightning (``*.ckpt``) nor the HF Trainer (``checkpoint-*``) lists it, and carries
 the writer's host.
@@ -34,7 +36,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from . import deferred_free
+from . import _native, deferred_free
 
 log = logging.getLogger("fastpersist")
 
@@ -263,8 +265,14 @@ class TempFile:
         """Link (unnamed) and rename the finished file over the final name, durably."""
         try:
             if self.unnamed:
-                link_fd(self._held, self.name)
-            publish(self.name, self.final)
+                # Linked and renamed in one native call (straight to the final name when it
+                # is free): a kill between the two leaves the file under its temporary name,
+                # and Python between them (a GIL wait) would widen that window.
+                with deferred_free.pinned(self.final):
+                    _native.link_replace(self._held, self.name, self.final)
+                fsync_dir(os.path.dirname(os.path.abspath(self.final)))
+            else:
+                publish(self.name, self.final)
         except BaseException:
             discard(self.name)
             raise

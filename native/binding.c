@@ -11,9 +11,12 @@
 #include <structmember.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fp_engine.h"
 
@@ -979,14 +982,72 @@ static PyObject *mod_inject_fault(PyObject *m, PyObject *args, PyObject *kw)
     }
     if (fp_inject_fault(k, e, after)) {
         PyErr_Format(PyExc_ValueError,
-                     "unknown fault kind %R (expected 'write', 'short_write', 'io_uring_setup', 'o_direct', 'read' or None)",
+                     "unknown fault kind %R (expected 'write', 'short_write', 'io_uring_setup', 'o_direct', 'read', 'rename', 'kill_before_rename' or None)",
                      kind);
         return NULL;
     }
     Py_RETURN_NONE;
 }
 
+
+/* link_replace(fd, tmp, final): give the unnamed file open as fd (O_TMPFILE) the name final.
+ * First linkat() straight to final: a new name needs no temporary name at all.  When final
+ * exists (EEXIST) the file is linked as tmp and renamed over final with no Python in between,
+ * so a process killed between the two leaves the whole file under tmp only for the few
+ * microseconds of one system call.  OSError names the path that failed. */
+static PyObject *mod_link_replace(PyObject *m, PyObject *args)
+{
+    int fd;
+    PyObject *tmp_b = NULL, *final_b = NULL;
+    if (!PyArg_ParseTuple(args, "iO&O&", &fd, PyUnicode_FSConverter, &tmp_b, PyUnicode_FSConverter, &final_b)) {
+        Py_XDECREF(tmp_b);
+        return NULL;
+    }
+    char src[64];
+    snprintf(src, sizeof src, "/proc/self/fd/%d", fd);
+    const char *tmp = PyBytes_AS_STRING(tmp_b), *final = PyBytes_AS_STRING(final_b);
+    int rc, err = 0, direct = 0, fault = 0;
+    PyObject *failed = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = linkat(AT_FDCWD, src, AT_FDCWD, final, AT_SYMLINK_FOLLOW);
+    if (rc == 0) {
+        direct = 1;
+    } else if (errno != EEXIST) {
+        err = errno;
+    } else if (linkat(AT_FDCWD, src, AT_FDCWD, tmp, AT_SYMLINK_FOLLOW) != 0) {
+        err = errno;
+        rc = 1;
+    } else if ((fault = fp_fault_rename()) < 0) {
+        raise(SIGKILL);
+    } else if (fault > 0 || renameat(AT_FDCWD, tmp, AT_FDCWD, final) != 0) {
+        err = fault > 0 ? fault : errno;
+        rc = 2;
+        unlinkat(AT_FDCWD, tmp, 0);
+    } else {
+        rc = 0;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        failed = rc == 1 ? tmp_b : final_b;
+        PyObject *name = PyUnicode_DecodeFSDefault(PyBytes_AS_STRING(failed));
+        errno = err;
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, name);
+        Py_XDECREF(name);
+        Py_DECREF(tmp_b);
+        Py_DECREF(final_b);
+        return NULL;
+    }
+    Py_DECREF(tmp_b);
+    Py_DECREF(final_b);
+    return PyBool_FromLong(direct);
+}
+
 static PyMethodDef module_methods[] = {
+    {"link_replace", (PyCFunction)mod_link_replace, METH_VARARGS,
+     "link_replace(fd, tmp, final) -> bool: name the unnamed file open as fd (O_TMPFILE) final:\n"
+     "linked straight to final when that name is free (True), else linked as tmp and renamed over\n"
+     "final in one call, no Python in between (False). OSError names the path that failed\n"
+     "(tmp is removed when the rename fails)."},
     {"crc32c", (PyCFunction)(void (*)(void))mod_crc32c, METH_VARARGS | METH_KEYWORDS,
      "crc32c(data, crc=0) -> int: CRC-32C (Castagnoli) of a buffer, continuing crc."},
     {"crc32c_addr", (PyCFunction)(void (*)(void))mod_crc32c_addr, METH_VARARGS | METH_KEYWORDS,
@@ -1019,8 +1080,10 @@ static PyMethodDef module_methods[] = {
      "kind: 'write' (one-shot: the first write request reaching past after_bytes fails with errno),\n"
      "'short_write' (every write request's first attempt writes only half; stays armed),\n"
      "'io_uring_setup' (io_uring_setup fails with errno), 'o_direct' (enabling O_DIRECT fails with\n"
-     "errno, default EINVAL), 'read' (one-shot: first read reaching past after_bytes fails), or None\n"
-     "to clear every fault."},
+     "errno, default EINVAL), 'read' (one-shot: first read reaching past after_bytes fails),\n"
+     "'rename' (one-shot: link_replace's rename over an existing name fails with errno),\n"
+     "'kill_before_rename' (one-shot: link_replace dies by SIGKILL between its link and its\n"
+     "rename), or None to clear every fault."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -22,11 +22,13 @@ static int fault_read_errno;     /* one-shot */
 static ll fault_read_after;
 static int fault_lose_completion; /* one-shot */
 static ll fault_lose_after;
+static int fault_rename;          /* one-shot: errno, or -1 for SIGKILL */
 
 static void fault_update_any(void)
 {
     int any = fault_write_errno || fault_short_write || fault_setup_errno ||
-              fault_odirect_errno || fault_read_errno || fault_lose_completion;
+              fault_odirect_errno || fault_read_errno || fault_lose_completion ||
+              fault_rename;
     __atomic_store_n(&fault_any, any, __ATOMIC_RELEASE);
 }
 
@@ -60,6 +62,18 @@ int fp_fault_read(ll off, ll len) { return fault_check_range(&fault_read_errno, 
 int fp_fault_io_uring_setup(void) { return fault_get(&fault_setup_errno); }
 int fp_fault_o_direct(void) { return fault_get(&fault_odirect_errno); }
 
+int fp_fault_rename(void)
+{
+    if (!__atomic_load_n(&fault_any, __ATOMIC_ACQUIRE))
+        return 0;
+    pthread_mutex_lock(&fault_mu);
+    int e = fault_rename;
+    fault_rename = 0;
+    fault_update_any();
+    pthread_mutex_unlock(&fault_mu);
+    return e;
+}
+
 int fp_fault_lose_completion(ll off)
 {
     if (!__atomic_load_n(&fault_any, __ATOMIC_ACQUIRE))
@@ -91,7 +105,7 @@ int fp_inject_fault(const char *kind, int err, ll after)
     pthread_mutex_lock(&fault_mu);
     if (!kind) {
         fault_write_errno = fault_short_write = fault_setup_errno = fault_odirect_errno = fault_read_errno = 0;
-        fault_lose_completion = 0;
+        fault_lose_completion = fault_rename = 0;
     } else if (!strcmp(kind, "write")) {
         fault_write_errno = e;
         fault_write_after = after;
@@ -104,6 +118,10 @@ int fp_inject_fault(const char *kind, int err, ll after)
     } else if (!strcmp(kind, "lose_completion")) {
         fault_lose_completion = 1;
         fault_lose_after = after;
+    } else if (!strcmp(kind, "rename")) {
+        fault_rename = e;
+    } else if (!strcmp(kind, "kill_before_rename")) {
+        fault_rename = -1;
     } else if (!strcmp(kind, "read")) {
         fault_read_errno = e;
         fault_read_after = after;

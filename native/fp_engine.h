@@ -74,6 +74,9 @@ uint32_t fp_copy_crc_cached(void *dst, const void *src, size_t n, uint32_t crc, 
  *   "lose_completion" one-shot: the io_uring owner ignores the completion of the next write
  *                    request at file offset `after` or beyond, as if the kernel never posted
  *                    it (the stall watchdog's test)
+ *   "rename"         one-shot: link_replace's rename over an existing name fails with err
+ *   "kill_before_rename" one-shot: link_replace kills its process (SIGKILL) after the link
+ *                    to the temporary name, before the rename (a crash in that window)
  *   NULL             clear every fault
  * err 0 means the kind's default: EINVAL for "o_direct", EIO for the others.
  * Returns 0, or EINVAL for an unknown kind (nothing armed). */
@@ -84,6 +87,7 @@ int fp_fault_write(ll off, ll len);
 int fp_fault_read(ll off, ll len);
 int fp_fault_io_uring_setup(void);
 int fp_fault_o_direct(void);
+int fp_fault_rename(void); /* 0, an errno, or -1: die by SIGKILL here */
 int fp_fault_lose_completion(ll off); /* 1 once when armed, for the first request at off >= after */
 /* Length of a write request's first attempt: n, or under "short_write" about half of it
  * (rounded down to the alignment, at least one block). */

@@ -108,7 +108,7 @@ import fp_core
 path = sys.argv[1]
 fp_core.save({{"gen": 1, "data": torch.full((1000,), 1.0), "tail": [1] * 3}}, path)
 # The second save dies right after its file got its temporary name, before the rename.
-fp_core.commit.publish = lambda tmp, final: os.kill(os.getpid(), signal.SIGKILL)
+fp_core._native.inject_fault("kill_before_rename")
 fp_core.save({{"gen": 2, "data": torch.full((1000,), 2.0), "tail": [2] * 3}}, path)
 """
 
@@ -129,6 +129,47 @@ def test_kill_between_link_and_rename_leaves_a_whole_file_the_next_save_removes(
                         f"fp_core.commit.wait_for_clean({disk_dir!r})"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(disk_dir)) == ["crash.pt", "other.pt"]
+
+
+def test_a_failed_rename_names_the_checkpoint_and_keeps_the_previous_one(disk_dir):
+    import errno
+
+    path = os.path.join(disk_dir, "r.pt")
+    fp_core.save({"gen": 1, "data": torch.full((1000,), 1.0), "tail": [1] * 3}, path)
+    fp_core._native.inject_fault("rename", errno=errno.EXDEV)
+    try:
+        with pytest.raises(OSError) as e:
+            fp_core.save({"gen": 2, "data": torch.full((1000,), 2.0), "tail": [2] * 3}, path)
+    finally:
+        fp_core._native.inject_fault(None)
+    assert e.value.errno == errno.EXDEV and e.value.filename == path
+    assert _check_generation(path) == 1
+    assert os.listdir(disk_dir) == ["r.pt"]  # neither the temporary name nor the unnamed file
+    fp_core.save({"gen": 3, "data": torch.full((1000,), 3.0), "tail": [3] * 3}, path)
+    assert _check_generation(path) == 3
+
+
+def test_a_new_name_is_linked_straight_to_the_file(disk_dir):
+    """An unnamed file given a name that is free never shows under a temporary name."""
+    if not fp_core.commit.tmpfile_supported(disk_dir):
+        pytest.skip("no O_TMPFILE on this filesystem")
+    d = os.path.join(disk_dir, "d")
+    os.mkdir(d)
+    seen = []
+    real = fp_core._native.link_replace
+
+    def spy(fd, tmp, final):
+        seen.append(real(fd, tmp, final))
+        return seen[-1]
+
+    fp_core.commit._native.link_replace = spy
+    try:
+        fp_core.save({"x": torch.ones(3)}, os.path.join(d, "a.pt"))
+        fp_core.save({"x": torch.ones(4)}, os.path.join(d, "a.pt"))
+    finally:
+        fp_core.commit._native.link_replace = real
+    assert seen == [True, False]
+    assert os.listdir(d) == ["a.pt"] and torch.load(os.path.join(d, "a.pt"))["x"].shape == (4,)
 
 
 def _fake_orphan(directory: str, final_name: str, host: str | None = None) -> str:

@@ -452,6 +452,21 @@ def check_tmpfile() -> None:
     raises(PermissionError, N.Engine, d, tmpfile=True, backend="io_uring")
     N.inject_fault(None)
     assert sorted(os.listdir(d)) == sorted(BACKENDS)
+    # link_replace: a free name is linked straight to; a taken one linked aside and renamed over.
+    final, tmp = os.path.join(d, "final"), os.path.join(d, ".final.tmp")
+    for want_direct, body in ((True, b"one"), (False, b"two")):
+        with N.Engine(d, tmpfile=True, mode=0o600, backend="buffered") as eng:
+            os.pwrite(eng.fileno(), body, 0)
+            assert N.link_replace(eng.fileno(), tmp, final) is want_direct
+        assert read(final) == body and not os.path.exists(tmp)
+    with N.Engine(d, tmpfile=True, mode=0o600, backend="buffered") as eng:
+        N.inject_fault("rename", errno=errno.EXDEV)
+        e = raises(OSError, N.link_replace, eng.fileno(), tmp, final)
+        assert e.errno == errno.EXDEV and e.filename == final and not os.path.exists(tmp)
+        e = raises(OSError, N.link_replace, eng.fileno(), os.path.join(d, "no", "t"), final)
+        assert e.errno == errno.ENOENT and e.filename == os.path.join(d, "no", "t")
+        raises(TypeError, N.link_replace, eng.fileno(), None, final)
+    assert read(final) == b"two"
 
 
 def main() -> None:

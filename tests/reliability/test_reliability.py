@@ -42,7 +42,9 @@ def test_sigkill_at_random_instants(disk_dir, mode, trials):
 
 def test_crash_subset_lands_mid_save(disk_dir):
     """The kill instants are not all between saves; a kill mid-save leaves nothing behind where
-    the file being written is unnamed (O_TMPFILE), an orphan to clean where it is not."""
+    the file being written is unnamed (O_TMPFILE), an orphan to clean where it is not. (With
+    O_TMPFILE a kill in the microseconds between the link to a temporary name and the rename
+    over the checkpoint's leaves the whole file there: rare, and never a partial one.)"""
     from fp_core import commit
 
     rng = random.Random(7)
@@ -51,7 +53,7 @@ def test_crash_subset_lands_mid_save(disk_dir):
     _assert_clean(res)
     assert res["mid_save_kills"] >= 2, res
     if commit.tmpfile_supported(disk_dir):
-        assert res["temps_left"] == 0, res
+        assert res["temps_left"] == res["temps_whole"] <= 1, res
     else:
         assert res["temps_left"] >= 1, res
 
