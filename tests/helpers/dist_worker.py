@@ -101,7 +101,9 @@ def main() -> None:
                         orig(*a, **k) if name == "publish" else None
                     raise OSError(5, f"injected {where} failure", shard)
 
-                setattr(fp_core.commit, name, failing)
+                setattr(fp_core.commit, name, failing)  # a named temporary file's rename (no O_TMPFILE)
+                if where == "rename":  # an unnamed file's link and rename: one native call
+                    fp_core._native.inject_fault("rename", errno=5)
             fp_core.save({"gen": 2, "shard": torch.full((1000,), float(rank))}, shard, group=dist.group.WORLD,
                          sharded=True)
         elif scenario == "async":
