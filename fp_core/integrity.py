@@ -308,14 +308,24 @@ def check_records_against_zip(cf: CheckpointFile, view: ManifestView) -> None:
     """The manifest's records against the zip's entries and local headers (see
     :func:`read_manifest`; a loader that reads the file whole calls it once the bytes are
     in memory, instead of one cold read per local header)."""
+    by_name = check_records_against_directory(cf, view)
+    infos = [by_name[r.name] for r in view.manifest.records]
+    for r, info, off in zip(view.manifest.records, infos, cf.data_offsets(infos)):  # every local header in one read
+        if r.offset != off:
+            raise CorruptCheckpointError(cf.path, TAIL, f"record {r.name}: the manifest says {r.size} bytes at byte "
+                                         f"{r.offset}, the zip directory {info.file_size} at byte {off}")
+
+
+def check_records_against_directory(cf: CheckpointFile, view: ManifestView) -> dict[str, zipfile.ZipInfo]:
+    """The manifest's records against the zip's central directory, no local header read:
+    one record per entry, stored, of its entry's size, sorted, disjoint, inside the file
+    and before the manifest. Returns the entries by name. A verified load that takes its
+    offsets from the manifest checks the local headers beside its reads
+    (:func:`check_records_against_zip`: the structure's CRC covers their bytes too)."""
+    path, m = cf.path, view.manifest
     minfo = next(i for i in view.entries if i.filename.endswith("/" + RECORD_SUFFIX))
-    _check_records(cf, view.manifest, view.entries, minfo)
-
-
-def _check_records(cf: CheckpointFile, m: Manifest, entries: list[zipfile.ZipInfo], minfo: zipfile.ZipInfo) -> None:
-    path = cf.path
-    by_name = {i.filename: i for i in entries if i is not minfo}
-    if len(by_name) != len(entries) - 1:
+    by_name = {i.filename: i for i in view.entries if i is not minfo}
+    if len(by_name) != len(view.entries) - 1:
         raise CorruptCheckpointError(path, STRUCTURE, "the zip directory names an entry twice")
     names = [r.name for r in m.records]
     if len(set(names)) != len(names) or set(names) != set(by_name):
@@ -323,7 +333,6 @@ def _check_records(cf: CheckpointFile, m: Manifest, entries: list[zipfile.ZipInf
         dup = len(names) - len(set(names))
         raise CorruptCheckpointError(path, TAIL, "manifest records do not match the zip's entries: "
                                      f"missing {missing[:3]}, unknown {unknown[:3]}, {dup} repeated")
-    cf.data_offsets([by_name[r.name] for r in m.records])  # every local header in one read
     end = 0
     for r in m.records:
         info = by_name[r.name]
@@ -332,13 +341,14 @@ def _check_records(cf: CheckpointFile, m: Manifest, entries: list[zipfile.ZipInf
         if r.offset < end:
             raise CorruptCheckpointError(path, TAIL, f"record {r.name} at byte {r.offset} overlaps or precedes the "
                                          "record before it (records must be sorted and disjoint)")
-        off = cf.data_offset(info)
-        if (r.offset, r.size) != (off, info.file_size):
+        if r.size != info.file_size or r.offset <= info.header_offset:
             raise CorruptCheckpointError(path, TAIL, f"record {r.name}: the manifest says {r.size} bytes at byte "
-                                         f"{r.offset}, the zip directory {info.file_size} at byte {off}")
+                                         f"{r.offset}, the zip directory {info.file_size} after its header at byte "
+                                         f"{info.header_offset}")
         end = r.offset + r.size
     if end > minfo.header_offset:
         raise CorruptCheckpointError(path, TAIL, "records run into the manifest")
+    return by_name
 
 
 def check_structure(cf: CheckpointFile, view: ManifestView) -> None:
@@ -363,6 +373,24 @@ def check_small_records(cf: CheckpointFile, view: ManifestView) -> None:
     for r in view.manifest.records:
         if r.kind == "record":
             check_crc(cf.path, r, cf.crc(r.offset, r.size))
+
+
+def read_small_records(cf: CheckpointFile, view: ManifestView, keep: int = 64 << 20) -> dict[str, bytes]:
+    """The records that are not storages (the pickle, torch's version records), each
+    checked against the manifest, by name: a few kilobytes to a few megabytes (the pickle
+    of a state of many tensors). One over ``keep`` bytes is checked a chunk at a time and
+    left out (its reader reads it itself)."""
+    out = {}
+    for r in view.manifest.records:
+        if r.kind == "record" and r.size > keep:
+            check_crc(cf.path, r, cf.crc(r.offset, r.size))
+        elif r.kind == "record":
+            data = cf.pread(r.offset, r.size)
+            if len(data) != r.size:
+                raise CorruptCheckpointError(cf.path, r.name, f"file ends before the record's {r.size} bytes")
+            check_crc(cf.path, r, _native.crc32c(data))
+            out[r.name] = data
+    return out
 
 
 def find_damage(cf: CheckpointFile) -> CorruptCheckpointError | None:

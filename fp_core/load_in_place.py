@@ -4,7 +4,9 @@ own tensors, reading each one's bytes from the file straight into its memory.
 The file's structure comes from its pickle, each tensor described by its storage's
 offset in the file and its view of it: read by :mod:`fp_core.plain_unpickle` where the
 pickle is plain (a :class:`~fp_core.plain_unpickle.SavedTensor` per tensor, no tensor
-built; the offsets from the local headers, all read in one scatter read), else by torch's
+built; the offsets from the local headers, all read in one scatter read, or with
+``verify=True`` from the manifest, the headers then checked against it beside the reads,
+so that the reads start without waiting for thousands of small cold ones), else by torch's
 unpickler with every storage on the meta device (``map_location="meta"``). Each saved
 tensor is matched with the target's tensor at the same place (same keys, shape and
 dtype), and one native scatter read fills them all: pieces near each other in the file
@@ -18,7 +20,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,11 +34,13 @@ from .integrity import (
     CheckpointFile,
     ManifestView,
     check_crc,
-    check_small_records,
+    check_records_against_directory,
+    check_records_against_zip,
     check_storages,
     check_zip_structure,
     damage_named,
     read_manifest,
+    read_small_records,
 )
 from .loader import FastReader
 from .plain_unpickle import SavedTensor
@@ -126,6 +131,12 @@ def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
     return saved  # numbers, strings, ...: the file's
 
 
+def _in_archive(by_name: dict[str, Any], archive: str) -> dict[str, Any]:
+    """The items named ``<archive>/<name>``, by ``<name>`` (torch reads the folder of the
+    zip's first entry)."""
+    return {name: v for k, v in by_name.items() for a, _, name in [k.partition("/")] if a == archive}
+
+
 def _under_archive(cf: CheckpointFile, entries: list[Any], offsets: list[int]) -> dict[str, int]:
     """Record name under the archive (``data/<key>``) -> data offset, for the archive torch
     reads: the folder of the zip's first entry (its zip reader's rule)."""
@@ -157,19 +168,24 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
             with damage_named(cf):  # a load that fails on a damaged file says so
                 return _fill(cf, None, target, path, weights_only)
         with gc_paused():  # see gc_pause: the zip directory's entries, the manifest's records
-            view = read_manifest(cf)  # the records' offsets and sizes match the zip's headers
+            view = read_manifest(cf, check_records=False)  # its tail's CRC held
+            check_records_against_directory(cf, view)  # the storages' offsets are the manifest's
         try:
-            check_small_records(cf, view)  # the pickle before it is unpickled
+            small = read_small_records(cf, view)  # the pickle, checked before it is unpickled
         except CorruptCheckpointError:
             check_zip_structure(cf, view)  # a damaged structure is named first, as everywhere
             raise
-        # The rest of the zip structure (its headers' other bytes, the directory) is
-        # checked beside the reads, its scattered small reads in the time they wait for
-        # the disk; a damaged structure is still the error raised.
-        structure = Beside(lambda stop: check_zip_structure(cf, view, stop), "fastpersist-verify-structure")
+        # The zip's local headers (each against its record's offset in the manifest) and the
+        # rest of its structure are checked beside the reads, their scattered small reads in
+        # the time the reads wait for the disk, not before them; a damaged structure is
+        # still the error raised.
+        def check_structure(stop: threading.Event) -> None:
+            check_records_against_zip(cf, view)
+            check_zip_structure(cf, view, stop)
+
+        structure = Beside(check_structure, "fastpersist-verify-structure")
         try:
-            structure.start()
-            result = _fill(cf, view, target, path, weights_only)
+            result = _fill(cf, view, target, path, weights_only, small, structure.start)
         except BaseException as e:
             interrupted = not isinstance(e, Exception)
             damaged = structure.error(stop=interrupted)
@@ -181,13 +197,31 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
 
 
 def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str | os.PathLike,
-          weights_only: bool | None) -> Any:
-    """load_into's work once the file is open (and its manifest read and checked, ``view``)."""
+          weights_only: bool | None, small: dict[str, bytes] | None = None,
+          before_reads: Callable[[], None] = lambda: None) -> Any:
+    """load_into's work once the file is open (and its manifest read and checked, ``view``;
+    ``small``: its records other than storages, checked)."""
     verify = view is not None
     wo = file_image.resolve_weights_only(weights_only)
     # See gc_pause: a full collection among the objects built here (the zip directory's
     # entries, the structure, the fills) costs more than building them; the read after
     # builds none.
+    with gc_paused():
+        if view is not None and small is not None:
+            # Verified: the pickle already read and checked, the storages' offsets from the
+            # manifest (checked against the local headers beside the reads).
+            archive = cf.zip_directory()[0][0].filename.partition("/")[0]
+            storages = [r for r in view.manifest.records if r.kind == "storage"]
+            saved = plain_unpickle.structure(plain_unpickle.RecordBytes(_in_archive(small, archive)),
+                                             _in_archive({r.name: r.offset for r in storages}, archive))
+            if saved is not NotImplemented:
+                fills: list[_Fill] = []
+                result = _match(saved, target, "", fills)
+                sizes = {r.offset: r.size for r in storages}
+    if view is not None and small is not None and saved is not NotImplemented:
+        before_reads()
+        _read_fills(cf, view, fills, sizes)
+        return result
     with gc_paused():
         # every storage's data offset, its local header read in one scatter read
         entries = file_image.storage_entries(cf)
@@ -205,6 +239,7 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
                 result = _match(saved, target, "", fills)
     if swapped:
         return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
+    before_reads()
     _read_fills(cf, view, fills, sizes)
     return result
 

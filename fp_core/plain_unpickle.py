@@ -185,6 +185,20 @@ class _StructureUnpickler(_PlainUnpickler):
         return st
 
 
+class RecordBytes:
+    """Records already read (name under the archive -> bytes), in the two calls of torch's
+    zip reader that :func:`structure` and :func:`unpickle` make."""
+
+    def __init__(self, records: Mapping[str, bytes]) -> None:
+        self._records = records
+
+    def has_record(self, name: str) -> bool:
+        return name in self._records
+
+    def get_record(self, name: str) -> bytes:
+        return self._records[name]
+
+
 def structure(zf: Any, offsets: Mapping[str, int]) -> Any:
     """The object pickled in ``zf`` with a :class:`SavedTensor` in place of each tensor
     (``offsets``: record name under the archive, ``data/<key>``, to its data's offset in

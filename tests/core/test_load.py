@@ -340,8 +340,9 @@ def test_load_into_verify_checks_the_zip_structure_beside_the_reads(disk_dir, mo
     pkl = next(r for r in fp_core.inspect(path) if r["name"].endswith("data.pkl"))
     flip_byte(path, pkl["offset"] + 3)
     unpickled: list[int] = []
-    real_unpickle = load_in_place.plain_unpickle.unpickle
-    monkeypatch.setattr(load_in_place.plain_unpickle, "unpickle", lambda *a: unpickled.append(1) or real_unpickle(*a))
+    for name in ("unpickle", "structure"):
+        real_fn = getattr(load_in_place.plain_unpickle, name)
+        monkeypatch.setattr(load_in_place.plain_unpickle, name, lambda *a, f=real_fn: unpickled.append(1) or f(*a))
     with pytest.raises(CorruptCheckpointError, match="data.pkl"):
         fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
     assert not unpickled  # checked before it was unpickled
@@ -349,6 +350,37 @@ def test_load_into_verify_checks_the_zip_structure_beside_the_reads(disk_dir, mo
     with pytest.raises(CorruptCheckpointError, match="zip structure"):
         fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
     assert not unpickled
+
+
+def test_load_into_verify_checks_the_local_headers_beside_the_reads(disk_dir, monkeypatch):
+    """Verified, the storages' offsets come from the manifest (its tail's CRC held) and the
+    local headers are checked against them on the structure's thread, not before the reads;
+    a header pointing elsewhere is still the error raised."""
+    import struct
+    import threading
+
+    from fp_core import load_in_place
+
+    m, _ = _model_state(0)
+    path = os.path.join(disk_dir, "ckpt.pt")
+    fp_core.save(m.state_dict(), path)
+    ran_on: list[str] = []
+    real = load_in_place.check_records_against_zip
+    monkeypatch.setattr(load_in_place, "check_records_against_zip",
+                        lambda cf, view: ran_on.append(threading.current_thread().name) or real(cf, view))
+    fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
+    assert ran_on == ["fastpersist-verify-structure"]
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    with open(path, "r+b") as f:  # the header's extra-field length: its data would start 4 bytes later
+        f.seek(info.header_offset + 28)
+        (n,) = struct.unpack("<H", f.read(2))
+        f.seek(info.header_offset + 28)
+        f.write(struct.pack("<H", n + 4))
+    with pytest.raises(CorruptCheckpointError, match="data/0"):
+        fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
+    with pytest.raises(CorruptCheckpointError):
+        fp_core.verify(path)
 
 
 @pytest.mark.parametrize(("writer", "verify"), [("torch.save", False), ("fastpersist", False), ("fastpersist", True)])
