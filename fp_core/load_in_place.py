@@ -47,7 +47,7 @@ from .plain_unpickle import SavedTensor
 from .thread_wait import Beside
 
 
-@dataclass
+@dataclass(slots=True)
 class _Fill:
     key: str
     target: torch.Tensor
@@ -98,21 +98,24 @@ def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
         if isinstance(saved, torch.Tensor):  # read whole (no offsets): copied from the loaded tensor
             fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
             return target
-        if saved.numel() == 0:
+        last, numel = 0, 1  # the view's last element past its first, and how many it has
+        for n, st in zip(saved.shape, saved.stride):
+            last += (n - 1) * st
+            numel *= n
+        if numel == 0:
             return target  # nothing to read (an empty view may point anywhere, even past its storage)
         es = saved.element_size
         # the bytes the view spans: numel * es where it is dense, less for an expanded one (stride 0)
-        span = (sum((n - 1) * st for n, st in zip(saved.shape, saved.stride)) + 1) * es
-        fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, span,
+        fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, (last + 1) * es,
                            (saved.offset, saved.storage_nbytes), saved))
         return target
     if isinstance(saved, Mapping):
         if not isinstance(target, Mapping):
             raise ValueError(f"load_into: {key or 'the object'} is a mapping in the file but "
                              f"{type(target).__name__} in the target")
-        missing = [k for k in saved if k not in target]
-        unexpected = [k for k in target if k not in saved]
-        if missing or unexpected:
+        if len(saved) != len(target) or not all(k in target for k in saved):
+            missing = [k for k in saved if k not in target]
+            unexpected = [k for k in target if k not in saved]
             raise ValueError(f"load_into: keys of {key or 'the object'} differ: in the file only {missing[:5]}, "
                              f"in the target only {unexpected[:5]}")
         out = {k: _match(v, target[k], f"{key}.{k}" if key else str(k), fills) for k, v in saved.items()}

@@ -26,6 +26,7 @@ reserved from a placeholder with the widest possible numbers.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,20 +133,24 @@ class Manifest:
             raise ValueError(f"{len(raw)} records, more than the file's {max_records} zip entries")
         records = []
         for i, r in enumerate(raw):
-            where = f"record {i}"
-            if not isinstance(r, dict):
-                raise ValueError(f"{where} is not an object")
+            if type(r) is not dict:
+                raise ValueError(f"record {i} is not an object")
             name = r.get("name")
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"{where} has no name")
+            if type(name) is not str or not name:
+                raise ValueError(f"record {i} has no name")
             kind = r.get("kind", "storage")
-            if kind not in ("storage", "record"):
-                raise ValueError(f"{where} ({name}) has the unknown kind {_short(kind)}")
+            if kind != "storage" and kind != "record":
+                raise ValueError(f"record {i} ({name}) has the unknown kind {_short(kind)}")
             tensor, dtype = r.get("tensor"), r.get("dtype")
-            if not (tensor is None or isinstance(tensor, str)) or not (dtype is None or isinstance(dtype, str)):
-                raise ValueError(f"{where} ({name}) has a non-string tensor name or dtype")
-            records.append(RecordInfo(name=name, offset=_int(r, "offset", where), size=_int(r, "size", where),
-                                      crc32c=_hex32(r, "crc32c", where), tensor=tensor, dtype=dtype, kind=kind))
+            if not (tensor is None or type(tensor) is str) or not (dtype is None or type(dtype) is str):
+                raise ValueError(f"record {i} ({name}) has a non-string tensor name or dtype")
+            offset, size, crc = r.get("offset"), r.get("size"), r.get("crc32c")
+            if type(offset) is not int or type(size) is not int or not (0 <= offset < 1 << 62 and 0 <= size < 1 << 62):
+                where = f"record {i}"
+                _int(r, "offset", where), _int(r, "size", where)  # raises, naming the field
+            if type(crc) is not str or not _HEX8.fullmatch(crc):
+                _hex32(r, "crc32c", f"record {i}")  # raises, naming the field
+            records.append(RecordInfo(name, offset, size, int(crc, 16), tensor, dtype, kind))
         return cls(file_size=_int(doc, "file_size", "manifest"), alignment=alignment,
                    structure_crc32c=_hex32(doc, "structure_crc32c", "manifest"), records=records)
 
@@ -162,8 +167,11 @@ def _int(doc: dict, key: str, where: str) -> int:
     return v
 
 
+_HEX8 = re.compile(r"[0-9a-fA-F]{8}")
+
+
 def _hex32(doc: dict, key: str, where: str) -> int:
     v = doc.get(key)
-    if not isinstance(v, str) or len(v) != 8 or any(c not in "0123456789abcdefABCDEF" for c in v):
+    if not isinstance(v, str) or not _HEX8.fullmatch(v):
         raise ValueError(f"{where}: {key} is {_short(v)}, not 8 hex digits")
     return int(v, 16)

@@ -116,7 +116,7 @@ class SavedTensor:
 
     @property
     def element_size(self) -> int:
-        return torch._utils._element_size(self.dtype)
+        return itemsize(self.dtype)
 
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -140,23 +140,35 @@ class _SavedStorage:
     dtype: torch.dtype
 
 
-def _ints(v: Any) -> bool:
-    return type(v) is tuple and all(type(x) is int and x >= 0 for x in v)
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype`` (torch's own answer, kept: it builds a finfo or iinfo
+    each time, and a structure asks once per tensor)."""
+    n = _ITEMSIZE.get(dtype)
+    if n is None:
+        n = _ITEMSIZE[dtype] = torch._utils._element_size(dtype)
+    return n
 
 
 def _saved_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any,
                   backward_hooks: Any, metadata: Any = None) -> SavedTensor:
     """``_rebuild_tensor_v2`` for :func:`structure`: the view, checked to lie in its storage
     as torch's ``set_`` checks it; anything else is not plain (torch's unpickler answers)."""
-    if (not isinstance(storage, _SavedStorage) or backward_hooks or metadata or type(requires_grad) is not bool
-            or type(storage_offset) is not int or storage_offset < 0 or not _ints(size) or not _ints(stride)
-            or len(size) != len(stride)):
+    if (type(storage) is not _SavedStorage or backward_hooks or metadata or type(requires_grad) is not bool
+            or type(storage_offset) is not int or storage_offset < 0 or type(size) is not tuple
+            or type(stride) is not tuple or len(size) != len(stride)):
         raise NotPlain("tensor")
-    t = SavedTensor(storage.offset, storage.nbytes, storage.dtype, storage_offset, size, stride)
-    if t.numel() and (storage_offset + sum((n - 1) * st for n, st in zip(size, stride)) + 1) * t.element_size \
-            > storage.nbytes:
+    last, numel = storage_offset, 1  # the view's last element, and how many it has
+    for n, st in zip(size, stride):
+        if type(n) is not int or type(st) is not int or n < 0 or st < 0:
+            raise NotPlain("tensor")
+        last += (n - 1) * st
+        numel *= n
+    if numel and (last + 1) * itemsize(storage.dtype) > storage.nbytes:
         raise NotPlain("tensor outside its storage")
-    return t
+    return SavedTensor(storage.offset, storage.nbytes, storage.dtype, storage_offset, size, stride)
 
 
 class _StructureUnpickler(_PlainUnpickler):
@@ -179,7 +191,7 @@ class _StructureUnpickler(_PlainUnpickler):
             offset = self._offsets.get(f"data/{key}")
             if offset is None:
                 raise NotPlain(f"no record data/{key}")
-            st = self._saved[key] = _SavedStorage(offset, numel * torch._utils._element_size(dtype), dtype)
+            st = self._saved[key] = _SavedStorage(offset, numel * itemsize(dtype), dtype)
         elif st.dtype != dtype:  # torch's unpickler refuses one storage under two dtypes too
             raise NotPlain("a storage under two dtypes")
         return st
