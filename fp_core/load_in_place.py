@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from . import file_image, loader, plain_unpickle, read_depth
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 from .gc_pause import gc_paused
 from .integrity import (
     CheckpointFile,
@@ -169,7 +169,7 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     with CheckpointFile(path) as cf:
         if not verify:
             with damage_named(cf):  # a load that fails on a damaged file says so
-                return _fill(cf, None, target, path, weights_only)
+                return _fill(cf, None, target, path, weights_only, _unchecked_layout(cf))
         with gc_paused():  # see gc_pause: the zip directory's entries, the manifest's records
             view = read_manifest(cf, check_records=False)  # its tail's CRC held
             check_records_against_directory(cf, view)  # the storages' offsets are the manifest's
@@ -188,7 +188,7 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
 
         structure = Beside(check_structure, "fastpersist-verify-structure")
         try:
-            result = _fill(cf, view, target, path, weights_only, small, structure.start)
+            result = _fill(cf, view, target, path, weights_only, (view, small), structure.start)
         except BaseException as e:
             interrupted = not isinstance(e, Exception)
             damaged = structure.error(stop=interrupted)
@@ -199,29 +199,47 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
         return result
 
 
+Layout = tuple[ManifestView, dict[str, bytes]]  # a manifest, and its records other than storages
+
+
+def _unchecked_layout(cf: CheckpointFile) -> Layout | None:
+    """For a load without ``verify``: the manifest and the pickle, where the tail's CRC and
+    the pickle's hold and the records fit the zip's directory; None for anything else (a
+    file of another tool, damage: the load then reads the zip's own headers, as torch)."""
+    try:
+        with gc_paused():
+            view = read_manifest(cf, check_records=False)
+            check_records_against_directory(cf, view)
+        return view, read_small_records(cf, view)
+    except (CorruptCheckpointError, NotAFastPersistCheckpoint):
+        return None
+
+
 def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str | os.PathLike,
-          weights_only: bool | None, small: dict[str, bytes] | None = None,
+          weights_only: bool | None, layout: Layout | None = None,
           before_reads: Callable[[], None] = lambda: None) -> Any:
-    """load_into's work once the file is open (and its manifest read and checked, ``view``;
-    ``small``: its records other than storages, checked)."""
+    """load_into's work once the file is open. ``view``: the manifest, checked, that every
+    record read is checked against (``verify``). ``layout``: where the storages lie and the
+    pickle, from a manifest whose checksums held: then the reads start without reading
+    thousands of local headers first, each a small cold read (a verified load checks
+    them beside its reads); without one, from the zip's headers."""
     verify = view is not None
     wo = file_image.resolve_weights_only(weights_only)
     # See gc_pause: a full collection among the objects built here (the zip directory's
     # entries, the structure, the fills) costs more than building them; the read after
     # builds none.
     with gc_paused():
-        if view is not None and small is not None:
-            # Verified: the pickle already read and checked, the storages' offsets from the
-            # manifest (checked against the local headers beside the reads).
+        saved = NotImplemented
+        if layout is not None:
             archive = cf.zip_directory()[0][0].filename.partition("/")[0]
-            storages = [r for r in view.manifest.records if r.kind == "storage"]
-            saved = plain_unpickle.structure(plain_unpickle.RecordBytes(_in_archive(small, archive)),
+            storages = [r for r in layout[0].manifest.records if r.kind == "storage"]
+            saved = plain_unpickle.structure(plain_unpickle.RecordBytes(_in_archive(layout[1], archive)),
                                              _in_archive({r.name: r.offset for r in storages}, archive))
             if saved is not NotImplemented:
                 fills: list[_Fill] = []
                 result = _match(saved, target, "", fills)
                 sizes = {r.offset: r.size for r in storages}
-    if view is not None and small is not None and saved is not NotImplemented:
+    if saved is not NotImplemented:
         before_reads()
         _read_fills(cf, view, fills, sizes)
         return result

@@ -383,6 +383,52 @@ def test_load_into_verify_checks_the_local_headers_beside_the_reads(disk_dir, mo
         fp_core.verify(path)
 
 
+def test_unchecked_load_into_takes_offsets_from_a_manifest_whose_checksum_holds(disk_dir, monkeypatch):
+    """Without verify, the storages' offsets come from the manifest where its tail's CRC
+    holds (no local header read before the tensors'), from the zip's headers where it does
+    not: either way the bytes torch.load reads."""
+    import struct
+
+    from fp_core import integrity
+
+    m, _ = _model_state(0)
+    path = os.path.join(disk_dir, "ckpt.pt")
+    fp_core.save(m.state_dict(), path)
+    header_reads: list[int] = []
+    real = integrity.CheckpointFile.data_offsets
+    monkeypatch.setattr(integrity.CheckpointFile, "data_offsets",
+                        lambda self, infos: header_reads.append(len(infos)) or real(self, infos))
+    m2, _ = _model_state(1)
+    fp_core.load_into(m2.state_dict(), path)
+    assert_identical(m2.state_dict(), m.state_dict())
+    assert header_reads == []
+
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+        comment_at = os.path.getsize(path) - len(z.comment)
+    with open(path, "r+b") as f:  # the tail's checksum (the zip comment's last hex digit)
+        f.seek(comment_at + len(z.comment) - 1)
+        d = f.read(1)
+        f.seek(comment_at + len(z.comment) - 1)
+        f.write(b"0" if d != b"0" else b"1")
+    m3, _ = _model_state(2)
+    fp_core.load_into(m3.state_dict(), path)  # the headers' offsets, as torch.load
+    assert_identical(m3.state_dict(), m.state_dict())
+    assert header_reads
+
+    fp_core.save(m.state_dict(), path)
+    with open(path, "r+b") as f:  # a local header's extra-field length: torch.load reads 4 bytes late
+        f.seek(info.header_offset + 28)
+        (n,) = struct.unpack("<H", f.read(2))
+        f.seek(info.header_offset + 28)
+        f.write(struct.pack("<H", n + 4))
+    m4, _ = _model_state(3)
+    fp_core.load_into(m4.state_dict(), path)  # the manifest's offsets: the bytes that were written
+    assert_identical(m4.state_dict(), m.state_dict())
+    with pytest.raises(CorruptCheckpointError):
+        fp_core.load_into(_model_state(1)[0].state_dict(), path, verify=True)
+
+
 @pytest.mark.parametrize(("writer", "verify"), [("torch.save", False), ("fastpersist", False), ("fastpersist", True)])
 def test_load_into_reads_expanded_and_empty_views_as_torch_load(disk_dir, writer, verify):
     """A view that spans fewer bytes than numel * element size (expanded: stride 0) or none
