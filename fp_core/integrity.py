@@ -11,6 +11,7 @@ trainer rewriting ``last.ckpt``) is checked whole, old or new, never half of eac
 
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 import stat
@@ -333,6 +334,7 @@ def check_records_against_directory(cf: CheckpointFile, view: ManifestView) -> d
         dup = len(names) - len(set(names))
         raise CorruptCheckpointError(path, TAIL, "manifest records do not match the zip's entries: "
                                      f"missing {missing[:3]}, unknown {unknown[:3]}, {dup} repeated")
+    starts = sorted(i.header_offset for i in view.entries)
     end = 0
     for r in m.records:
         info = by_name[r.name]
@@ -341,7 +343,12 @@ def check_records_against_directory(cf: CheckpointFile, view: ManifestView) -> d
         if r.offset < end:
             raise CorruptCheckpointError(path, TAIL, f"record {r.name} at byte {r.offset} overlaps or precedes the "
                                          "record before it (records must be sorted and disjoint)")
-        if r.size != info.file_size or r.offset <= info.header_offset:
+        # between the end of its own local header's name and the next entry's header
+        name_len = len(info.filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437"))
+        k = bisect.bisect_right(starts, info.header_offset)
+        limit = starts[k] if k < len(starts) else cf.size
+        if (r.size != info.file_size or r.offset < info.header_offset + _LOCAL_HEADER + name_len
+                or r.offset + r.size > limit):
             raise CorruptCheckpointError(path, TAIL, f"record {r.name}: the manifest says {r.size} bytes at byte "
                                          f"{r.offset}, the zip directory {info.file_size} after its header at byte "
                                          f"{info.header_offset}")
@@ -375,14 +382,17 @@ def check_small_records(cf: CheckpointFile, view: ManifestView) -> None:
             check_crc(cf.path, r, cf.crc(r.offset, r.size))
 
 
+_KEPT_RECORDS = frozenset(("data.pkl", "byteorder"))
+
+
 def read_small_records(cf: CheckpointFile, view: ManifestView, keep: int = 64 << 20) -> dict[str, bytes]:
     """The records that are not storages (the pickle, torch's version records), each
-    checked against the manifest, by name: a few kilobytes to a few megabytes (the pickle
-    of a state of many tensors). One over ``keep`` bytes is checked a chunk at a time and
-    left out (its reader reads it itself)."""
+    checked against the manifest; the pickle and the byte order kept, by name (a few
+    kilobytes to a few megabytes), the others checked a chunk at a time, as is a pickle
+    over ``keep`` bytes (its reader reads it itself)."""
     out = {}
     for r in view.manifest.records:
-        if r.kind == "record" and r.size > keep:
+        if r.kind == "record" and (r.size > keep or r.name.rpartition("/")[2] not in _KEPT_RECORDS):
             check_crc(cf.path, r, cf.crc(r.offset, r.size))
         elif r.kind == "record":
             data = cf.pread(r.offset, r.size)

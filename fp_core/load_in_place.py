@@ -230,8 +230,9 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
     # builds none.
     with gc_paused():
         saved = NotImplemented
-        if layout is not None:
-            archive = cf.zip_directory()[0][0].filename.partition("/")[0]
+        first = cf.zip_directory()[0][0].filename
+        if layout is not None and "/" in first:  # else torch's reader refuses the file: let it say so
+            archive = first.partition("/")[0]
             storages = [r for r in layout[0].manifest.records if r.kind == "storage"]
             saved = plain_unpickle.structure(plain_unpickle.RecordBytes(_in_archive(layout[1], archive)),
                                              _in_archive({r.name: r.offset for r in storages}, archive))
@@ -247,6 +248,8 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
         # every storage's data offset, its local header read in one scatter read
         entries = file_image.storage_entries(cf)
         offsets = cf.data_offsets(entries)
+        if view is not None:  # verified: the headers torch's reader follows, before it unpickles
+            check_records_against_zip(cf, view)
         sizes = {off: info.file_size for info, off in zip(entries, offsets)}
         with FastReader(cf, prefetch=False) as f, torch.serialization._open_zipfile_reader(f) as zf:
             swapped = zf.has_record("byteorder") and \

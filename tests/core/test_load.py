@@ -554,3 +554,94 @@ def test_fault_ahead_stop_interrupted_by_ctrl_c_waits_until_its_thread_is_off_th
         timer.cancel()
     raised = time.perf_counter()
     assert spans and spans[-1][1] <= raised, "stop() raised while its thread was still populating"
+
+
+def test_a_verified_load_into_of_a_pickle_torch_must_read_checks_its_header_first(disk_dir):
+    """A pickle that is not plain goes through torch's zip reader, which follows the local
+    headers: a verified load checks them against the manifest before it unpickles."""
+    import struct
+
+    path = os.path.join(disk_dir, "c.pt")
+    state = {"a": torch.arange(16, dtype=torch.float32), "s": {1, 2}}  # a set: torch's unpickler
+    fp_core.save(state, path)
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("/data.pkl"))
+    for delta in (1, 2, 4):
+        fp_core.save(state, path)
+        with open(path, "r+b") as f:  # the pickle's extra-field length: torch would read shifted bytes
+            f.seek(info.header_offset + 28)
+            (n,) = struct.unpack("<H", f.read(2))
+            f.seek(info.header_offset + 28)
+            f.write(struct.pack("<H", n + delta))
+        with pytest.raises(CorruptCheckpointError, match="data.pkl"):
+            fp_core.load_into({"a": torch.zeros(16), "s": None}, path, verify=True)
+
+
+def _rewrite_manifest(path: str, mutate) -> None:
+    """Change a file's manifest and make its checksums agree again (a crafted file)."""
+    import json
+
+    from fp_core import _native
+    from fp_core.integrity import CheckpointFile
+    from fp_core.manifest import RECORD_SUFFIX
+    from fp_core.plan import structure_crc
+
+    with zipfile.ZipFile(path) as z:
+        mi = next(i for i in z.infolist() if i.filename.endswith("/" + RECORD_SUFFIX))
+    with CheckpointFile(path) as cf:
+        moff = cf.data_offset(mi)
+    with open(path, "r+b") as f:
+        f.seek(moff)
+        raw = f.read(mi.file_size)
+        doc = json.loads(raw)
+        mutate(doc)
+
+        def pread(p: int, n: int) -> bytes:
+            f.seek(p)
+            return f.read(n)
+
+        covered = [(r["offset"], r["offset"] + r["size"]) for r in doc["records"]]
+        doc["structure_crc32c"] = f"{structure_crc(covered, mi.header_offset, pread):08x}"
+        new = json.dumps(doc, separators=(",", ":")).encode()
+        f.seek(moff)
+        f.write(new + b" " * (len(raw) - len(new)))
+        size = os.fstat(f.fileno()).st_size
+        f.seek(mi.header_offset)
+        body = f.read(size - 8 - mi.header_offset)
+        f.seek(size - 8)
+        f.write(b"%08x" % _native.crc32c(body))
+
+
+def test_a_manifest_that_points_into_a_header_is_not_believed(disk_dir):
+    """A crafted manifest whose checksums agree but whose storage starts inside its own
+    local header: the unchecked load reads the zip's headers instead (torch.load's bytes),
+    the verified one refuses the file."""
+    path = os.path.join(disk_dir, "c.pt")
+    state = {"a": torch.arange(16, dtype=torch.float32), "b": torch.arange(16, dtype=torch.float32) + 100}
+    fp_core.save(state, path)
+    with zipfile.ZipFile(path) as z:
+        info = {i.filename: i for i in z.infolist()}
+
+    def into_header(doc: dict) -> None:
+        for r in doc["records"]:
+            if r["name"].endswith("data/1"):
+                r["offset"] = info[r["name"]].header_offset + 1
+
+    _rewrite_manifest(path, into_header)
+    target = {"a": torch.zeros(16), "b": torch.zeros(16)}
+    fp_core.load_into(target, path)
+    assert_identical(target, torch.load(path))
+    with pytest.raises(CorruptCheckpointError, match="data/1"):
+        fp_core.load_into({"a": torch.zeros(16), "b": torch.zeros(16)}, path, verify=True)
+
+
+def test_only_the_pickle_and_the_byte_order_are_kept_in_memory(disk_dir):
+    """Records other than storages are checked; only the two a load reads are kept (a
+    crafted manifest calling every storage a record must not bring the file into memory)."""
+    from fp_core.integrity import CheckpointFile, read_manifest, read_small_records
+
+    path = os.path.join(disk_dir, "c.pt")
+    fp_core.save({"a": torch.arange(16.0)}, path)
+    with CheckpointFile(path) as cf:
+        kept = read_small_records(cf, read_manifest(cf))
+    assert sorted(n.rpartition("/")[2] for n in kept) == ["byteorder", "data.pkl"]
