@@ -4,9 +4,10 @@ own tensors, reading each one's bytes from the file straight into its memory.
 The file's structure comes from its pickle, each tensor described by its storage's
 offset in the file and its view of it: read by :mod:`fp_core.plain_unpickle` where the
 pickle is plain (a :class:`~fp_core.plain_unpickle.SavedTensor` per tensor, no tensor
-built; the offsets from the local headers, all read in one scatter read, or with
-``verify=True`` from the manifest, the headers then checked against it beside the reads,
-so that the reads start without waiting for thousands of small cold ones), else by torch's
+built; the offsets from the manifest where its checksums hold, so that the reads start
+without waiting for thousands of small cold header reads (with ``verify=True`` the
+headers are checked against it beside the reads), else from the local headers, all read
+in one scatter read), else by torch's
 unpickler with every storage on the meta device (``map_location="meta"``). Each saved
 tensor is matched with the target's tensor at the same place (same keys, shape and
 dtype), and one native scatter read fills them all: pieces near each other in the file
@@ -230,7 +231,8 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
     # builds none.
     with gc_paused():
         saved = NotImplemented
-        first = cf.zip_directory()[0][0].filename
+        entries = cf.zip_directory()[0]
+        first = entries[0].filename if entries else ""
         if layout is not None and "/" in first:  # else torch's reader refuses the file: let it say so
             archive = first.partition("/")[0]
             storages = [r for r in layout[0].manifest.records if r.kind == "storage"]

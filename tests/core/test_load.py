@@ -700,3 +700,11 @@ def test_a_zip_whose_first_entry_is_in_no_folder_is_refused_as_torch_refuses_it(
         with pytest.raises(RuntimeError, match="not in a subdirectory"):
             fp_core.load_into(target, path, verify=verify)
         assert not target["a"].any()
+
+
+def test_load_into_an_empty_zip_keeps_torchs_zip_reader_error(disk_dir):
+    """No entry to take an archive folder from: torch's zip reader's error, not an IndexError."""
+    path = os.path.join(disk_dir, "empty.pt")
+    zipfile.ZipFile(path, "w").close()
+    with pytest.raises(RuntimeError, match="does not contain any files"):
+        fp_core.load_into({"a": torch.zeros(2)}, path)
