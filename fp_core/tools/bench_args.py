@@ -17,7 +17,7 @@ DEFAULT_SIZE = "1GiB"
 
 # The sync benchmark's rows (fp_core.tools.bench).
 SAVE_ROWS = ("device", "torch", "lightning", "safetensors", "dcp", "fastpersist")
-LOAD_ROWS = ("load_device", "load_device_fresh", "load_torch", "load_torch_mmap", "load_safetensors",
+LOAD_ROWS = ("load_device", "load_device_4k", "load_device_fresh", "load_torch", "load_torch_mmap", "load_safetensors",
              "load_fastpersist", "load_fastpersist_verify", "load_fastpersist_mmap", "load_fastpersist_mmap_verify",
              "load_into", "load_into_verify")
 ALL_ROWS = SAVE_ROWS + LOAD_ROWS

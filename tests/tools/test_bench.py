@@ -391,3 +391,37 @@ def test_cpu_calibration_is_capped_by_available_memory():
     avail = ba.available_memory()
     assert avail is not None and cap is not None
     assert cap * 6 * 2 * 256 * 4 <= avail // 4 + 6 * 2 * 256 * 4
+
+
+def test_load_into_is_also_measured_against_reads_into_4k_pages(tmp_path):
+    """``load_into`` fills a model's tensors, on 4 KiB pages unless torch was told
+    otherwise: the row that reads into such pages is its second reference."""
+    res = _bench(["--size", "8MiB", "--repeat", "2", "--dir", str(tmp_path / "out"),
+                  "--only", "load_device,load_device_4k,load_into"], cwd=str(tmp_path))
+    rows = {r["key"]: r for r in res["rows"]}
+    assert set(rows) == {"load_device", "load_device_4k", "load_into"}
+    assert all(not r["error"] and len(r["seconds"]) == 2 for r in rows.values())
+    targets = {t["target"]: t for t in res["targets"]}
+    want = paired_ratio(rows["load_into"]["seconds"], rows["load_device_4k"]["seconds"])
+    assert targets["load_into >= 0.9 x load_device_4k (the tensors' pages)"]["value"] == round(want, 3)
+    assert "load_into >= 0.9 x load_device" in targets
+
+
+def test_the_4k_row_reads_into_memory_off_huge_pages():
+    import re
+
+    from fp_core.tools.bench import _small_page_buffer
+
+    buf = _small_page_buffer(64 << 20)
+    assert (buf == 0xA5).all()
+    start = buf.ctypes.data
+    with open("/proc/self/smaps") as f:
+        text = f.read()
+    for head, body in re.findall(r"^([0-9a-f]+-[0-9a-f]+) [^\n]*\n((?:[A-Z][^\n]*\n)+)", text, re.M):
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        if lo <= start < hi:
+            assert re.search(r"AnonHugePages:\s+0 kB", body)
+            assert "nh" in re.search(r"VmFlags:([^\n]*)", body).group(1).split()
+            break
+    else:
+        pytest.fail("the buffer's mapping is not in /proc/self/smaps")
