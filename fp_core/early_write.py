@@ -41,6 +41,8 @@ MIN_BYTES = 32 << 20
 # Laid-out bytes handed to the writing thread at a time, at least (when it is idle; the
 # rest waits for the next storage found, or the pickle's end).
 MIN_BATCH = 8 << 20
+# How long the pickling waits for the writing thread to take its first batch (see _begin).
+HANDOVER_S = 0.05
 
 
 class _Diverged(Exception):
@@ -60,6 +62,7 @@ class EarlyWrite:
         self.end = 0  # bytes below this are written early (final once the plan is made)
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
+        self._taken = threading.Event()  # the thread has taken its first batch
         self._out = threading.Event()  # the writing thread is out of the file for good
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -104,6 +107,10 @@ class EarlyWrite:
         thread.start()
         self._thread = thread  # only once started: stop() joins it
         self._offer()
+        # Let go of the GIL until the thread has its first batch: woken while this thread
+        # pickles, it waited 10-110 ms for the GIL (5 ms switch interval or not) with the
+        # disk idle. Bounded: a thread that never takes it costs the pickling no more.
+        self._taken.wait(HANDOVER_S)
 
     def _lay_out(self, key: str, entry: StorageEntry) -> None:
         storage, _, nbytes = entry
@@ -154,6 +161,7 @@ class EarlyWrite:
     def _drain(self) -> None:
         while True:
             item = self._batches.get()
+            self._taken.set()
             if item is None:
                 return
             if self._error is None and not self._cancelled:  # else batches are only drained

@@ -152,6 +152,36 @@ def test_the_writing_goes_on_in_batches_as_storages_are_found(disk_dir, early_fr
     fp_core.verify(path)
 
 
+def test_the_first_batch_is_written_before_the_pickling_goes_on(disk_dir, early_from_1mib, monkeypatch):
+    """The pickling thread lets go of the GIL until the writing thread has its first batch:
+    the disk starts on it before the next storage is pickled (the thread waited tens of
+    milliseconds for the GIL behind the pickling before)."""
+    found_at_write: list[int] = []
+    found_at_begin: list[int] = []
+    real_begin, real_write = early_write.EarlyWrite._begin, early_write.write_range
+
+    def begin(self):
+        found_at_begin.append(len(self._entries))
+        state["ew"] = self
+        real_begin(self)
+
+    def write(*a, **k):
+        found_at_write.append(len(state["ew"]._entries))
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(early_write.EarlyWrite, "_begin", begin)
+    monkeypatch.setattr(early_write, "write_range", write)
+    torch.manual_seed(4)
+    tensors = {"big": torch.randn(1 << 19)}  # 2 MiB: the early write begins with it
+    tensors.update({f"t{i}": torch.randn(16_384 + i) for i in range(600)})  # 40 MB more to pickle
+    state: dict = {}
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(tensors, path)
+    assert found_at_begin == [1]
+    assert found_at_write[0] == 1, found_at_write[:3]  # written before the next storage was found
+    assert_identical(tensors, fp_core.load(path, verify=True))
+
+
 def test_the_whole_body_is_written_early_its_last_rows_built_while_the_thread_writes(
         disk_dir, early_from_1mib, monkeypatch):
     """Once the pickle is made, the storages' rest and then the pickle with torch's small
