@@ -9,6 +9,8 @@ Each row adds one of them, on the same state, alternated in every round so a dri
 VM's disk hits all alike:
 
     device             one aligned buffer, zero-copy, no CRC (the bench's row (a))
+    device again       the same write once more in the round: how far the disk alone
+                       moves one round's ratio (an A/A pair)
     staged+crc         the same buffer through the staging copy with the CRC fused in
     random staged+crc  a buffer of random bytes, the same way
     extents, huge      the plan's extents (every tensor and zip header), staged, with the
@@ -130,6 +132,7 @@ def main() -> None:
 
     rows: dict[str, Callable[[], float]] = {
         "device": lambda: engine_write(raw, one, buf.nbytes, checksum=False, zero_copy=True),
+        "device again": lambda: engine_write(raw, one, buf.nbytes, checksum=False, zero_copy=True),
         "staged+crc": lambda: engine_write(raw, one, buf.nbytes, checksum=True, zero_copy=False),
         "random staged+crc": lambda: engine_write(raw, rnd, rbuf.nbytes, checksum=True, zero_copy=False),
         "extents, huge": lambda: engine_write(raw, ext_huge, end_huge, checksum=True, zero_copy=False),
