@@ -19,6 +19,8 @@ VM's disk hits all alike:
     fp_core.save       the whole save; its serialize and engine.write times are printed too
     save, plan first   the whole save without the early write (fp_core.early_write): the
                        plan made before the first byte is written
+    save, no handover  the whole save with the early write's thread left to wake on its
+                       own while the caller pickles (early_write.HANDOVER_S = 0)
     save, congruent    the whole save laid out congruent to the tensors' addresses (the async
                        pipeline's layout) and written zero-copy from torch's memory
 
@@ -125,6 +127,15 @@ def main() -> None:
         finally:
             early_write.MIN_BYTES = saved
 
+    def fp_save_no_handover() -> float:
+        saved, early_write.HANDOVER_S = early_write.HANDOVER_S, 0
+        try:
+            t0 = time.perf_counter()
+            save(sd, os.path.join(a.dir, "gap.pt"))
+            return time.perf_counter() - t0
+        finally:
+            early_write.HANDOVER_S = saved
+
     def fp_save_congruent() -> float:
         t0 = time.perf_counter()
         prepare(sd, os.path.join(a.dir, "gap.pt"), congruent=True).run()
@@ -139,6 +150,7 @@ def main() -> None:
         "extents": lambda: engine_write(raw, ext, end, checksum=True, zero_copy=True),
         "fp_core.save": fp_save,
         "save, plan first": fp_save_plan_first,
+        "save, no handover": fp_save_no_handover,
         "save, congruent": fp_save_congruent,
     }
     if a.only:
