@@ -412,16 +412,41 @@ def test_the_4k_row_reads_into_memory_off_huge_pages():
 
     from fp_core.tools.bench import _small_page_buffer
 
-    buf = _small_page_buffer(64 << 20)
+    buf = _small_page_buffer(64 << 20)  # made without THP too: its pages are 4 KiB there anyway
     assert (buf == 0xA5).all()
+    if not os.path.isdir("/sys/kernel/mm/transparent_hugepage"):
+        pytest.skip("a kernel without transparent huge pages: nothing to keep the buffer off")
     start = buf.ctypes.data
     with open("/proc/self/smaps") as f:
         text = f.read()
     for head, body in re.findall(r"^([0-9a-f]+-[0-9a-f]+) [^\n]*\n((?:[A-Z][^\n]*\n)+)", text, re.M):
         lo, hi = (int(x, 16) for x in head.split("-"))
         if lo <= start < hi:
+            flags = re.search(r"VmFlags:([^\n]*)", body)
+            if flags is None:
+                pytest.skip("/proc/self/smaps has no VmFlags here")
             assert re.search(r"AnonHugePages:\s+0 kB", body)
-            assert "nh" in re.search(r"VmFlags:([^\n]*)", body).group(1).split()
+            assert "nh" in flags.group(1).split()
             break
     else:
         pytest.fail("the buffer's mapping is not in /proc/self/smaps")
+
+
+def test_a_4k_row_without_its_memory_fails_alone(tmp_path, monkeypatch):
+    """The 4 KiB buffer is made outside the rounds: a failure to make it is the row's
+    error, and the other rows still run."""
+    import argparse
+
+    from fp_core.tools import bench
+
+    def refuse(nbytes):
+        raise MemoryError("no memory for the 4 KiB row")
+
+    monkeypatch.setattr(bench, "_small_page_buffer", refuse)
+    ns = argparse.Namespace(size=4 << 20, sizes=None, repeat=1, warmup_rounds=0, dir=str(tmp_path / "out"),
+                            only="load_device,load_device_4k", device="cpu", backend=None, queue_depth=None,
+                            chunk_bytes=None, copy_threads=None, io_threads=None)
+    res = bench.run_sync(ns, lambda msg: None)
+    rows = {r["key"]: r for r in res["rows"]}
+    assert "no memory for the 4 KiB row" in rows["load_device_4k"]["error"]
+    assert not rows["load_device"]["error"] and len(rows["load_device"]["seconds"]) == 1
