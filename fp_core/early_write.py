@@ -62,7 +62,7 @@ class EarlyWrite:
         self.end = 0  # bytes below this are written early (final once the plan is made)
         self._batches: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
-        self._taken = threading.Event()  # the thread has taken its first batch
+        self._taken = threading.Event()  # the thread has taken a batch (its first, for _begin)
         self._out = threading.Event()  # the writing thread is out of the file for good
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -110,7 +110,8 @@ class EarlyWrite:
         # Let go of the GIL until the thread has its first batch: woken while this thread
         # pickles, it waited 10-110 ms for the GIL (5 ms switch interval or not) with the
         # disk idle. Bounded: a thread that never takes it costs the pickling no more.
-        self._taken.wait(HANDOVER_S)
+        if self._offered:  # else nothing was queued (less than a block laid out)
+            self._taken.wait(HANDOVER_S)
 
     def _lay_out(self, key: str, entry: StorageEntry) -> None:
         storage, _, nbytes = entry

@@ -171,6 +171,7 @@ def test_the_first_batch_is_written_before_the_pickling_goes_on(disk_dir, early_
 
     monkeypatch.setattr(early_write.EarlyWrite, "_begin", begin)
     monkeypatch.setattr(early_write, "write_range", write)
+    monkeypatch.setattr(early_write, "HANDOVER_S", 30.0)  # the handover itself, not a loaded machine's timing
     torch.manual_seed(4)
     tensors = {"big": torch.randn(1 << 19)}  # 2 MiB: the early write begins with it
     tensors.update({f"t{i}": torch.randn(16_384 + i) for i in range(600)})  # 40 MB more to pickle
@@ -180,6 +181,39 @@ def test_the_first_batch_is_written_before_the_pickling_goes_on(disk_dir, early_
     assert found_at_begin == [1]
     assert found_at_write[0] == 1, found_at_write[:3]  # written before the next storage was found
     assert_identical(tensors, fp_core.load(path, verify=True))
+
+
+def test_a_thread_that_never_takes_its_first_batch_costs_the_save_only_the_handover(disk_dir, early_from_1mib,
+                                                                                     monkeypatch):
+    """The handover is bounded: a writing thread that does not take its batch (stuck,
+    say) delays the pickling by HANDOVER_S, and the save still completes."""
+    import time
+
+    gate = threading.Event()
+    real_drain = early_write.EarlyWrite._drain
+
+    def late_drain(self):
+        gate.wait(5)
+        real_drain(self)
+
+    monkeypatch.setattr(early_write.EarlyWrite, "_drain", late_drain)
+    monkeypatch.setattr(early_write, "HANDOVER_S", 0.3)
+    waited: list[float] = []
+    real_begin = early_write.EarlyWrite._begin
+
+    def begin(self):
+        t0 = time.perf_counter()
+        real_begin(self)
+        waited.append(time.perf_counter() - t0)
+        gate.set()
+
+    monkeypatch.setattr(early_write.EarlyWrite, "_begin", begin)
+    torch.manual_seed(5)
+    state = {"big": torch.randn(1 << 19), "more": torch.randn(1000)}
+    path = os.path.join(disk_dir, "s.pt")
+    fp_core.save(state, path)
+    assert 0.25 <= waited[0] < 3
+    assert_identical(state, fp_core.load(path, verify=True))
 
 
 def test_the_whole_body_is_written_early_its_last_rows_built_while_the_thread_writes(
