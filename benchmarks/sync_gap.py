@@ -118,23 +118,18 @@ def main() -> None:
         split["engine.write"].append(st.write_seconds)
         return time.perf_counter() - t0
 
-    def fp_save_plan_first() -> float:
-        saved, early_write.MIN_BYTES = early_write.MIN_BYTES, 1 << 62
-        try:
-            t0 = time.perf_counter()
-            save(sd, os.path.join(a.dir, "gap.pt"))
-            return time.perf_counter() - t0
-        finally:
-            early_write.MIN_BYTES = saved
-
-    def fp_save_no_handover() -> float:
-        saved, early_write.HANDOVER_S = early_write.HANDOVER_S, 0
-        try:
-            t0 = time.perf_counter()
-            save(sd, os.path.join(a.dir, "gap.pt"))
-            return time.perf_counter() - t0
-        finally:
-            early_write.HANDOVER_S = saved
+    def fp_save_with(setting: str, value: object) -> Callable[[], float]:
+        """The whole save with ``early_write.<setting>`` at ``value`` while it runs."""
+        def run() -> float:
+            saved = getattr(early_write, setting)
+            setattr(early_write, setting, value)
+            try:
+                t0 = time.perf_counter()
+                save(sd, os.path.join(a.dir, "gap.pt"))
+                return time.perf_counter() - t0
+            finally:
+                setattr(early_write, setting, saved)
+        return run
 
     def fp_save_congruent() -> float:
         t0 = time.perf_counter()
@@ -149,8 +144,8 @@ def main() -> None:
         "extents, huge": lambda: engine_write(raw, ext_huge, end_huge, checksum=True, zero_copy=False),
         "extents": lambda: engine_write(raw, ext, end, checksum=True, zero_copy=True),
         "fp_core.save": fp_save,
-        "save, plan first": fp_save_plan_first,
-        "save, no handover": fp_save_no_handover,
+        "save, plan first": fp_save_with("MIN_BYTES", 1 << 62),
+        "save, no handover": fp_save_with("HANDOVER_S", 0),
         "save, congruent": fp_save_congruent,
     }
     if a.only:

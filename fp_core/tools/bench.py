@@ -552,7 +552,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         return files[key]
 
     loaders: dict[str, tuple[str, Callable[[], Any]]] = {}
-    small_pages: dict[str, np.ndarray] = {}  # made once the saves' state is gone
+    small_pages: dict[str, Any] = {}  # its buffer (or the error making it), made once the saves' state is gone
     if "load_device" in only:
         ensure("device", savers["device"])
         loaders["load_device"] = (files["device"], lambda: load_device(files["device"], dev_buf, nbytes))
