@@ -173,7 +173,7 @@ def main() -> None:
             continue
         print(f"round {r}: " + ", ".join(f"{k} {times[k][-1]:.3f} s" for k in rows), flush=True)
     dev = times["device"]
-    for k, ts in list(times.items()) + [(f"  {k}", v) for k, v in split.items()]:
+    for k, ts in list(times.items()) + [(f"  {k}", v) for k, v in split.items() if v]:  # v: fp_core.save ran
         ratios = [d / t for d, t in zip(dev, ts)]
         print(f"{k:18s} median {statistics.median(ts):.3f} s  {n / statistics.median(ts) / 1e9:6.2f} GB/s  "
               f"vs device {statistics.median(ratios):.2f}x  per round {' '.join(f'{x:.2f}' for x in ratios)}")
