@@ -455,7 +455,7 @@ class FastPersistReader(StorageReader):
             # are read together, after the rest. Another planner's are read and committed
             # one by one, in order (its resolve_tensor may reuse one buffer).
             together = _plain_planner(planner)
-            with CheckpointFile(path) as cf, cf.native_reader() as reader:
+            with CheckpointFile(path, checkpoint=False) as cf, cf.native_reader() as reader:
                 direct: list[tuple[Any, torch.Tensor, dict]] = []
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[req.storage_index]
@@ -722,7 +722,7 @@ def verify_dir(path: str | os.PathLike) -> dict:
             raise CorruptCheckpointError(path, MANIFEST_SUFFIX, "the rank file's manifest is missing") from None
         doc = _read_manifest(path)
         try:
-            cf = CheckpointFile(path)
+            cf = CheckpointFile(path, checkpoint=False)
         except FileNotFoundError:
             raise CorruptCheckpointError(path, "<file>", "the rank file is missing") from None
         with cf:

@@ -40,6 +40,25 @@ _MANIFEST_BYTES_PER_ENTRY = 64 << 10  # a manifest larger than this per zip entr
 _SMALL_RECORD = 1 << 20  # another tool's records up to this size are checked when a load of its file fails
 
 
+_PLACEHOLDER_MAX = 4096  # a pending save's placeholder is empty or holds a short text marker
+
+
+def refuse_placeholder(path: str, size: int) -> None:
+    """Raise :class:`CorruptCheckpointError` for what cannot be a checkpoint of any format
+    FastPersist reads: the placeholder a pending save leaves under its final name (the
+    save never completed: its process was killed or the save failed), or an empty file.
+    Said here so that no load or check ends in a bare ``EOFError`` from deep inside."""
+    from .commit import placeholder_owner
+
+    owner = placeholder_owner(path)
+    if owner is not None:
+        raise CorruptCheckpointError(path, "<file>", f"the placeholder of a save that never completed (writer "
+                                     f"{owner}): no checkpoint was written under this name; `fastpersist clean` "
+                                     "removes it")
+    if size == 0:
+        raise CorruptCheckpointError(path, "<file>", "empty file, 0 bytes (a save or copy that never completed?)")
+
+
 class CheckpointFile:
     """A checkpoint file opened once; every read of one verification or load goes through it.
 
@@ -47,7 +66,10 @@ class CheckpointFile:
     this one through ``/proc/self/fd``: the same inode, whatever happens to the name.
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, checkpoint: bool = True) -> None:
+        """``checkpoint``: the file is a whole checkpoint, so an empty one or a pending
+        save's placeholder is refused (:func:`refuse_placeholder`); False for a part of one
+        (a DCP rank file, which a rank with nothing to save leaves empty)."""
         self.path = os.fspath(path)
         self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -55,6 +77,8 @@ class CheckpointFile:
             if stat.S_ISDIR(st.st_mode):
                 raise IsADirectoryError(errno.EISDIR, "is a directory, not a checkpoint file", self.path)
             self.size = st.st_size
+            if checkpoint and self.size <= _PLACEHOLDER_MAX:
+                refuse_placeholder(self.path, self.size)
         except BaseException:
             os.close(self.fd)
             raise

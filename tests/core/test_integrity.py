@@ -236,3 +236,47 @@ def test_batched_header_and_gap_reads_match_one_by_one(tmp_path, monkeypatch):
         with pytest.raises(CorruptCheckpointError, match="file ends"):
             cf.crc_of_ranges(ranges + [(len(data) - 10, 20)])
         cf.image = None
+
+
+def _placeholder_of_a_killed_save(path: str) -> None:
+    """The placeholder a pending save leaves when its process ends without running anything
+    (os._exit): made by a real child process that claims the name and exits."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys; from fp_core import commit; fd = commit.claim(sys.argv[1]); "
+            "os._exit(0 if fd is not None else 3)")
+    rc = subprocess.run([sys.executable, "-c", code, path]).returncode
+    if rc == 3:
+        pytest.skip("this file system has no user extended attributes: no placeholders")
+    assert rc == 0
+
+
+def test_the_placeholder_of_a_killed_save_is_named_as_such(disk_dir):
+    path = os.path.join(disk_dir, "last.ckpt")
+    _placeholder_of_a_killed_save(path)
+    for call in (fp_core.load, lambda p: fp_core.load(p, verify="auto"), fp_core.verify, fp_core.inspect,
+                 lambda p: fp_core.load_into({"w": torch.zeros(2)}, p)):
+        with pytest.raises(CorruptCheckpointError, match="placeholder of a save that never completed") as ei:
+            call(path)
+        assert ei.value.path == path
+
+
+def test_an_old_empty_placeholder_and_an_empty_file_are_corrupt_not_eof(disk_dir):
+    from fp_core import commit
+
+    old = os.path.join(disk_dir, "old.ckpt")  # the placeholder format before it carried a marker
+    open(old, "wb").close()
+    try:
+        os.setxattr(old, commit.PLACEHOLDER_XATTR, b"somehost-1234-0")
+    except OSError:
+        pytest.skip("no user extended attributes here")
+    with pytest.raises(CorruptCheckpointError, match="placeholder of a save that never completed"):
+        fp_core.load(old)
+    empty = os.path.join(disk_dir, "empty.pt")
+    open(empty, "wb").close()
+    for call in (fp_core.load, lambda p: fp_core.load(p, verify=True), fp_core.verify,
+                 lambda p: fp_core.load_into({"w": torch.zeros(2)}, p)):
+        with pytest.raises(CorruptCheckpointError, match="empty file, 0 bytes") as ei:
+            call(empty)
+        assert ei.value.path == empty
