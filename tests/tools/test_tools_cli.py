@@ -124,3 +124,30 @@ def test_parse_size_forms(text, want):
 def test_parse_size_refuses_what_is_not_a_size(text):
     with pytest.raises(ValueError, match="not a size"):
         parse_size(text)
+
+
+def test_clean_of_a_missing_directory_or_a_file_is_an_error_naming_it(tmp_path):
+    missing, a_file = str(tmp_path / "no" / "such"), str(tmp_path / "f")
+    open(a_file, "w").close()
+    for path, why in ((missing, "no such directory"), (a_file, "not a directory")):
+        out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "clean", path], capture_output=True,
+                             text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+        assert out.returncode == 2, out
+        assert f"{path}: {why}" in out.stderr and "removed" not in out.stdout
+
+
+@pytest.mark.parametrize("args", [["inspect"], ["inspect", "--json"], ["verify"]])
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path, args):
+    """``fastpersist inspect ckpt | head -1``: the reader leaves after one line; the command
+    exits 141 (SIGPIPE's status) with nothing on stderr, no BrokenPipeError traceback."""
+    path = str(tmp_path / "many.pt")
+    fp_core.save({f"layer.{i}.weight": torch.full((2,), float(i)) for i in range(3000)}, path)
+    paths = [path] * (1 if args[0] == "inspect" else 3000)  # verify: a line per path
+    cmd = [sys.executable, "-m", "fp_core.tools.cli", *args, *paths]
+    producer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=dict(os.environ, PYTHONPATH=REPO))
+    head = subprocess.run(["head", "-n", "1"], stdin=producer.stdout, capture_output=True, timeout=300)
+    producer.stdout.close()
+    err = producer.stderr.read().decode()
+    assert producer.wait(timeout=300) == 141, err
+    assert head.stdout and err == ""
