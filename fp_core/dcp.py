@@ -37,6 +37,7 @@ import pickle
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -393,7 +394,8 @@ def _write_json(path: str, doc: dict) -> None:
 class FastPersistReader(StorageReader):
     """A DCP ``StorageReader`` that reads each rank's file with the native reader; with
     ``verify=True`` every item is checked against its CRC-32C first. Reads directories
-    written by stock DCP too (without checksums to check)."""
+    written by stock DCP too: they carry no checksums, so ``verify=True`` loads them
+    unchecked with a warning naming the directory (never calls them corrupt)."""
 
     def __init__(self, path: str | os.PathLike, verify: bool = False) -> None:
         super().__init__()
@@ -401,12 +403,26 @@ class FastPersistReader(StorageReader):
         self.verify = verify
         self.storage_data: dict[MetadataIndex, Any] = {}
         self.load_id = uuid.uuid4().hex
+        self._stock: bool | None = None  # written by stock DCP (no directory manifest)? found once
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
         if checkpoint_id:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         self.load_id = uuid.uuid4().hex
+        self._stock = None
+
+    def _checks(self) -> bool:
+        """Whether items are checked: ``verify``, on a directory FastPersist wrote. A stock
+        DCP directory has nothing to check against: it is read, and the caller warned once."""
+        if not self.verify:
+            return False
+        if self._stock is None:
+            self._stock = not os.path.lexists(os.path.join(self.path, DIR_MANIFEST))
+            if self._stock:
+                warnings.warn(f"{self.path} was written by stock torch.distributed.checkpoint (it has no "
+                              f"{DIR_MANIFEST}): it carries no checksums, so it is loaded unchecked", stacklevel=3)
+        return not self._stock
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -417,7 +433,7 @@ class FastPersistReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = os.path.join(self.path, METADATA)
         raw = _read_small(path, -1)  # whole, as pickle.load read it: DCP's format sets no size cap
-        if self.verify:  # its offsets decide what every read fetches: checked before it is believed
+        if self._checks():  # its offsets decide what every read fetches: checked before it is believed
             _check_metadata(self.path, raw)
         try:
             md = pickle.loads(raw)  # DCP's own format (stock FileSystemReader does the same)
@@ -439,6 +455,7 @@ class FastPersistReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        verify = self._checks()
         per_file: dict[str, list[Any]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
@@ -448,9 +465,9 @@ class FastPersistReader(StorageReader):
             # request for a whole tensor is read straight into its target (one copy at
             # most, no torch.load of the blob). Stock files, and other requests, take the
             # general path.
-            items = {} if not (self.verify or os.path.exists(path + MANIFEST_SUFFIX)) else {
+            items = {} if not (verify or os.path.exists(path + MANIFEST_SUFFIX)) else {
                 (it["offset"], it["length"]): it for it in _read_manifest(path)["items"]}
-            crcs = {k: (it["fqn"], it["crc32c"]) for k, it in items.items()} if self.verify else {}
+            crcs = {k: (it["fqn"], it["crc32c"]) for k, it in items.items()} if verify else {}
             # DCP's own planners hand out the state's tensors and commit nothing: their targets
             # are read together, after the rest. Another planner's are read and committed
             # one by one, in order (its resolve_tensor may reuse one buffer).
@@ -468,13 +485,13 @@ class FastPersistReader(StorageReader):
                         direct.append((req, target, it))
                         continue
                     if target is not None:
-                        _read_direct(reader, path, [(req, target, it)], self.verify)
+                        _read_direct(reader, path, [(req, target, it)], verify)
                         planner.commit_tensor(req, target)
                         continue
                     buf = np.empty(info.length, dtype=np.uint8)
-                    crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=self.verify,
+                    crc = reader.read_into(info.offset, buf.ctypes.data, info.length, checksum=verify,
                                            threads=read_depth.THREADS, chunk_bytes=read_depth.CHUNK)
-                    if self.verify:
+                    if verify:
                         _check_item(path, req.storage_index.fqn, info.offset, info.length, crc, crcs)
                     if req.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(req, io.BytesIO(buf.tobytes()))
@@ -490,9 +507,9 @@ class FastPersistReader(StorageReader):
                 # targets sharing memory (tied weights) are filled one after another, in
                 # order, as before: the last one read wins, not a mix of the two
                 first, rest = _apart(direct)
-                _read_direct(reader, path, first, self.verify)
+                _read_direct(reader, path, first, verify)
                 for one in rest:
-                    _read_direct(reader, path, [one], self.verify)
+                    _read_direct(reader, path, [one], verify)
             for req, target, _ in direct:
                 planner.commit_tensor(req, target)
         fut: Future[None] = Future()

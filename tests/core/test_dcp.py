@@ -70,6 +70,17 @@ def test_a_directory_written_by_stock_dcp_loads_through_our_reader(tmp_path):
     assert_state(got, state(2))
 
 
+def test_a_stock_directory_loads_through_a_verifying_reader_with_a_warning(tmp_path):
+    """Stock FileSystemWriter output has no checksums: verify=True loads it and warns, naming
+    the directory, that nothing was checked; it is never called corrupt."""
+    d = str(tmp_path / "stock")
+    dcp.save(state(3), checkpoint_id=d)
+    got = blank()
+    with pytest.warns(UserWarning, match=f"{d} was written by stock .*carries no checksums"):
+        dcp.load(got, storage_reader=FastPersistReader(d, verify=True))
+    assert_state(got, state(3))
+
+
 def test_saving_over_a_checkpoint_replaces_it_whole(tmp_path):
     d = str(tmp_path / "ckpt")
     dcp.save(state(1), storage_writer=FastPersistWriter(d))
