@@ -305,9 +305,11 @@ class FastPersistWriter(StorageWriter):
             with engine:
                 pieces = write_range(engine, fplan, 0, fplan.file_size, self.options, rs)
                 engine.truncate(fplan.file_size)
+                t_sync = time.perf_counter()
                 engine.sync()
             rank_file.item_crcs(pieces)
             temp.publish()
+            sync_seconds = time.perf_counter() - t_sync
         except BaseException as e:
             temp.abort()
             if isinstance(e, OSError) and getattr(e, "filename", None) in (temp.engine_path, temp.name):
@@ -317,9 +319,17 @@ class FastPersistWriter(StorageWriter):
             "format": FORMAT, "file": name, "size": rank_file.size,
             "items": [it.record_doc() for it in rank_file.items],
         }
-        _write_json(os.path.join(staging, name + MANIFEST_SUFFIX), manifest)
+        t_json = time.perf_counter()
+        _write_json(os.path.join(staging, name + MANIFEST_SUFFIX), manifest)  # fdatasync'ed too
+        sync_seconds += time.perf_counter() - t_json
+        # What this rank's write did, for SaveStats: the engine's requests and the time in
+        # fdatasync and the temporary file's commit (the rank file and its manifest).
         self.stats = {"bytes": rank_file.size, "seconds": time.perf_counter() - t0,
-                      "zero_copy_bytes": rs.zero_copy_bytes, "file": name, "backend": engine.backend}
+                      "zero_copy_bytes": rs.zero_copy_bytes, "file": name, "backend": engine.backend,
+                      "backend_reason": engine.backend_reason, "alignment": fplan.alignment,
+                      "write_seconds": rs.seconds, "copy_seconds": rs.copy_seconds,
+                      "device_copy_seconds": rs.device_copy_seconds, "sync_seconds": sync_seconds,
+                      "requests": rs.requests, "short_writes": rs.short_writes}
         results = [WriteResult(index=it.write_item.index, size_in_bytes=it.length,
                                storage_data=_StorageInfo(name, it.offset, it.length)) for it in rank_file.items]
         del items, rank_file  # no tensor is read any more
@@ -331,6 +341,7 @@ class FastPersistWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: ``.metadata`` last, then the whole directory into place, durably."""
+        t0 = time.perf_counter()
         staging = staging_path(self.path)
         storage_md: dict[MetadataIndex, Any] = {}
         for wr_list in results:
@@ -351,6 +362,9 @@ class FastPersistWriter(StorageWriter):
                                                 for name, data in sorted(self.extra_files.items())}}
         _write_json(os.path.join(staging, DIR_MANIFEST), doc)
         commit.publish_dir(staging, self.path)
+        # written and synced file by file, then the directory renamed and synced: all of it
+        # is the commit's sync time
+        self.stats["finish_seconds"] = time.perf_counter() - t0
 
 
 def _write_bytes(path: str, data: bytes) -> None:

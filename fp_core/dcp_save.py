@@ -157,8 +157,17 @@ class DcpSave:
                 on_body_written()
             self.state = None  # the tensors (or their copies) are not needed any more
         st = self.stats
-        st.bytes = int(writer.stats.get("bytes", 0))
-        st.write_seconds = float(writer.stats.get("seconds", 0.0))
+        ws = writer.stats
+        st.bytes = int(ws.get("bytes", 0))
+        st.write_seconds = float(ws.get("write_seconds", ws.get("seconds", 0.0)))
+        st.copy_seconds = float(ws.get("copy_seconds", 0.0))
+        st.device_copy_seconds = float(ws.get("device_copy_seconds", 0.0))
+        # this rank's fdatasyncs and commit of its file, and the coordinator's of the directory
+        st.sync_seconds = float(ws.get("sync_seconds", 0.0)) + float(ws.get("finish_seconds", 0.0))
+        st.alignment = int(ws.get("alignment", 0))
+        st.requests = int(ws.get("requests", 0))
+        st.short_writes = int(ws.get("short_writes", 0))
+        st.backend_reason = str(ws.get("backend_reason", ""))
         st.seconds = st.serialize_seconds + time.perf_counter() - t0
         st.writers = dist.get_world_size(self.cg)
         st.backend = str(writer.stats.get("backend", ""))
