@@ -85,19 +85,186 @@ def _described(t: torch.Tensor) -> SavedTensor | torch.Tensor:
     return SavedTensor(off, t.untyped_storage().nbytes(), t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
 
 
-def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
-    """The saved structure with each tensor replaced by the target's; the fills to make."""
-    if isinstance(saved, (SavedTensor, torch.Tensor)):
-        if not isinstance(target, torch.Tensor):
-            raise ValueError(f"load_into: {key or 'the object'} is a tensor in the file but "
-                             f"{type(target).__name__} in the target")
+class _Absent:
+    """The target has nothing at this place: what the file holds there is created."""
+
+
+_ABSENT: Any = _Absent()
+_CPU = torch.device("cpu")
+
+
+def _is_stateful(x: Any) -> bool:
+    """An object whose state is ``state_dict()`` and is restored by ``load_state_dict``: a
+    module, an optimizer, an LR scheduler, a grad scaler (DCP's ``Stateful``)."""
+    return (not isinstance(x, (torch.Tensor, Mapping, list, tuple, str, bytes, int, float))
+            and callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None)))
+
+
+def _has_tensor(x: Any) -> bool:
+    if isinstance(x, (torch.Tensor, SavedTensor)):
+        return True
+    if isinstance(x, Mapping):
+        return any(_has_tensor(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return any(_has_tensor(v) for v in x)
+    return False
+
+
+def _is_optimizer_state(x: Any) -> bool:
+    """Shaped like ``torch.optim.Optimizer.state_dict()``: per-parameter ``state`` and
+    ``param_groups`` naming the parameters by index."""
+    return (isinstance(x, Mapping) and isinstance(x.get("state"), Mapping)
+            and isinstance(x.get("param_groups"), (list, tuple))
+            and all(isinstance(g, Mapping) and "params" in g for g in x["param_groups"]))
+
+
+class _Target:
+    """What ``load_into`` fills: the target with each stateful object replaced by its
+    ``state_dict()``, the objects to hand their filled state back to (by their place in
+    it), and each optimizer's parameters by index (where its created state goes)."""
+
+    def __init__(self, target: Any) -> None:
+        self.stateful: list[tuple[tuple[Any, ...], Any]] = []
+        self.params: dict[int, dict[Any, torch.Tensor]] = {}  # id(optimizer's state dict) -> index -> param
+        self.plain = self._unwrap(target, ())
+
+    def _unwrap(self, x: Any, at: tuple[Any, ...]) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, Mapping):
+            out = {k: self._unwrap(v, at + (k,)) for k, v in x.items()}
+            return x if all(out[k] is v for k, v in x.items()) else out
+        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+            items = [self._unwrap(v, at + (i,)) for i, v in enumerate(x)]
+            return x if all(a is b for a, b in zip(items, x)) else type(x)(items)
+        if not _is_stateful(x):
+            return x
+        sd = x.state_dict()
+        self.stateful.append((at, x))
+        groups = getattr(x, "param_groups", None)
+        if _is_optimizer_state(sd) and isinstance(groups, list):
+            ids = [i for g in sd["param_groups"] for i in g["params"]]
+            params = [p for g in groups for p in g.get("params", ())]
+            if len(ids) == len(params):
+                self.params[id(sd)] = dict(zip(ids, params))
+        return sd
+
+    def restore(self, result: Any) -> None:
+        """Hand each stateful object its filled state (its tensors, filled or created on
+        its own devices, are kept by its ``load_state_dict``; only hyperparameters and
+        other values are set)."""
+        for at, obj in self.stateful:
+            sd = result
+            for k in at:
+                sd = sd[k]
+            obj.load_state_dict(sd)
+
+
+class _Matcher:
+    """Matches the saved structure with the target: each saved tensor with the target's
+    tensor at the same place (same keys, shape and dtype), the fills to make."""
+
+    def __init__(self, target: _Target) -> None:
+        self.params = target.params
+        self.fills: list[_Fill] = []
+
+    def match(self, saved: Any, target: Any, key: str = "", device: torch.device | None = None,
+              created: bool = False) -> Any:
+        """The saved structure with each tensor replaced by the target's. ``created``:
+        inside an optimizer's per-parameter state, where what the target lacks is created
+        from the file (placed on ``device``) and what the file lacks is dropped, as
+        ``Optimizer.load_state_dict`` replaces the state whole; elsewhere the keys must
+        agree wherever tensors are."""
+        if isinstance(saved, (SavedTensor, torch.Tensor)):
+            if target is _ABSENT:
+                target = _allocate(saved, device or _CPU)
+            elif not isinstance(target, torch.Tensor):
+                raise ValueError(f"load_into: {key or 'the object'} is a tensor in the file but "
+                                 f"{type(target).__name__} in the target")
+            return self._tensor(saved, target, key)
+        if isinstance(saved, Mapping):
+            if target is _ABSENT:
+                out = {k: self.match(v, _ABSENT, _at(key, k), device, True) for k, v in saved.items()}
+            elif not isinstance(target, Mapping):
+                raise ValueError(f"load_into: {key or 'the object'} is a mapping in the file but "
+                                 f"{type(target).__name__} in the target")
+            elif _is_optimizer_state(saved) and _is_optimizer_state(target):
+                out = self._optimizer(saved, target, key)
+            elif created:
+                out = {k: self.match(v, target.get(k, _ABSENT), _at(key, k), device, True) for k, v in saved.items()}
+            elif len(saved) != len(target) or not all(k in target for k in saved):
+                if not _has_tensor(saved) and not _has_tensor(target):
+                    return saved  # no tensor on either side: the file's, as it is
+                missing = [k for k in saved if k not in target and _has_tensor(saved[k])]
+                unexpected = [k for k in target if k not in saved]
+                if missing or unexpected:
+                    raise ValueError(f"load_into: keys of {key or 'the object'} differ: in the file only "
+                                     f"{missing[:5]}, in the target only {unexpected[:5]}")
+                out = {k: self.match(v, target.get(k, _ABSENT), _at(key, k)) for k, v in saved.items()}
+            else:
+                out = {k: self.match(v, target[k], _at(key, k)) for k, v in saved.items()}
+            if type(saved) is dict:
+                return out
+            try:
+                return type(saved)(out)  # an OrderedDict stays one
+            except TypeError:
+                return out
+        if isinstance(saved, (list, tuple)) and not hasattr(saved, "_fields"):
+            if target is not _ABSENT and (not isinstance(target, (list, tuple)) or len(target) != len(saved)):
+                if created or (not _has_tensor(saved) and not _has_tensor(target)):
+                    target = _ABSENT  # the file's, its tensors created
+                else:
+                    raise ValueError(f"load_into: {key or 'the object'} is a sequence of {len(saved)} in the file, "
+                                     f"not so in the target")
+            targets = [_ABSENT] * len(saved) if target is _ABSENT else target
+            items = [self.match(v, t, f"{key}[{i}]", device, created or target is _ABSENT)
+                     for i, (v, t) in enumerate(zip(saved, targets))]
+            return type(saved)(items)
+        return saved  # numbers, strings, ...: the file's
+
+    def _optimizer(self, saved: Mapping, target: Mapping, key: str) -> dict:
+        """An optimizer's state dict: ``param_groups`` and every other value from the file;
+        each parameter's state filled where the target has it, created where it does not
+        (a fresh optimizer has none before its first step) on the device of its parameter
+        where that is known (the optimizer itself was given, or the target holds other
+        state of that parameter), else in host memory; ``step`` stays in host memory unless
+        its group is capturable or fused, as ``Optimizer.load_state_dict`` places it."""
+        params = self.params.get(id(target), {})
+        groups = {i: g for g in saved["param_groups"] for i in g["params"]}
+        out = {k: self.match(v, target[k], _at(key, k)) if k in target and k != "state" else v
+               for k, v in saved.items() if k != "state"}
+        state = {}
+        have = target["state"]
+        for pid, v in saved["state"].items():
+            mine = have.get(pid, _ABSENT)
+            param = params.get(pid)
+            if param is not None:
+                device = param.device
+            else:  # another state tensor of the parameter in the target says where it lives
+                device = next((t.device for k, t in mine.items() if k != "step" and isinstance(t, torch.Tensor)),
+                              None) if isinstance(mine, Mapping) else None
+            g = groups.get(pid, {})
+            on_param = g.get("capturable", False) or g.get("fused", False)
+            at = _at(_at(key, "state"), pid)
+            if isinstance(v, Mapping):
+                if not isinstance(mine, Mapping):
+                    mine = {}
+                state[pid] = {k: self.match(x, mine.get(k, _ABSENT), _at(at, k),
+                                            device if k != "step" or on_param else _CPU, True)
+                              for k, x in v.items()}
+            else:
+                state[pid] = self.match(v, mine, at, device, True)
+        out["state"] = state
+        return {k: out[k] for k in saved}  # the file's order of keys
+
+    def _tensor(self, saved: Any, target: torch.Tensor, key: str) -> torch.Tensor:
         if saved.shape != target.shape or saved.dtype != target.dtype:
             raise ValueError(f"load_into: {key or 'the tensor'} is {tuple(saved.shape)} {saved.dtype} in the file, "
                              f"{tuple(target.shape)} {target.dtype} in the target")
         if isinstance(saved, torch.Tensor):
             saved = _described(saved)
         if isinstance(saved, torch.Tensor):  # read whole (no offsets): copied from the loaded tensor
-            fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
+            self.fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
             return target
         last, numel = 0, 1  # the view's last element past its first, and how many it has
         for n, st in zip(saved.shape, saved.stride):
@@ -107,32 +274,23 @@ def _match(saved: Any, target: Any, key: str, fills: list[_Fill]) -> Any:
             return target  # nothing to read (an empty view may point anywhere, even past its storage)
         es = saved.element_size
         # the bytes the view spans: numel * es where it is dense, less for an expanded one (stride 0)
-        fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, (last + 1) * es,
-                           (saved.offset, saved.storage_nbytes), saved))
+        self.fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, (last + 1) * es,
+                                (saved.offset, saved.storage_nbytes), saved))
         return target
-    if isinstance(saved, Mapping):
-        if not isinstance(target, Mapping):
-            raise ValueError(f"load_into: {key or 'the object'} is a mapping in the file but "
-                             f"{type(target).__name__} in the target")
-        if len(saved) != len(target) or not all(k in target for k in saved):
-            missing = [k for k in saved if k not in target]
-            unexpected = [k for k in target if k not in saved]
-            raise ValueError(f"load_into: keys of {key or 'the object'} differ: in the file only {missing[:5]}, "
-                             f"in the target only {unexpected[:5]}")
-        out = {k: _match(v, target[k], f"{key}.{k}" if key else str(k), fills) for k, v in saved.items()}
-        if type(saved) is dict:
-            return out
-        try:
-            return type(saved)(out)  # an OrderedDict stays one
-        except TypeError:
-            return out
-    if isinstance(saved, (list, tuple)) and not hasattr(saved, "_fields"):
-        if not isinstance(target, (list, tuple)) or len(target) != len(saved):
-            raise ValueError(f"load_into: {key or 'the object'} is a sequence of {len(saved)} in the file, "
-                             f"not so in the target")
-        items = [_match(v, t, f"{key}[{i}]", fills) for i, (v, t) in enumerate(zip(saved, target))]
-        return type(saved)(items)
-    return saved  # numbers, strings, ...: the file's
+
+
+def _at(key: str, k: Any) -> str:
+    return f"{key}.{k}" if key else str(k)
+
+
+def _allocate(saved: Any, device: torch.device) -> torch.Tensor:
+    """A tensor for a saved one the target lacks, from torch's allocator as the model's
+    own are: its shape, dtype and (where dense, as an optimizer's ``zeros_like`` state is)
+    strides, so the file's bytes are read straight in."""
+    shape, stride = tuple(saved.shape), tuple(saved.stride() if isinstance(saved, torch.Tensor) else saved.stride)
+    if plain_unpickle.is_dense(shape, stride):
+        return torch.empty_strided(shape, stride, dtype=saved.dtype, device=device)
+    return torch.empty(shape, dtype=saved.dtype, device=device)
 
 
 def _in_archive(by_name: dict[str, Any], archive: str) -> dict[str, Any]:
@@ -151,19 +309,54 @@ def _under_archive(cf: CheckpointFile, entries: list[Any], offsets: list[int]) -
 
 def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
               weights_only: bool | None = True) -> Any:
-    """Fill ``target`` (a state dict, or nested dicts/lists/tuples of tensors, shaped like
-    the saved object: ``{"model": model.state_dict(), "optim": ...}``) from the checkpoint
-    at ``path``, in place; returns the saved object with the target's tensors in it
-    (numbers, strings and other leaves come from the file).
+    """Resume from the checkpoint at ``path`` into ``target``, reading every tensor's bytes
+    straight into memory that is already there; returns the saved object.
 
-    Every saved tensor needs a target tensor of the same shape and dtype at the same keys
-    (``ValueError`` naming the first that differs, before any byte is read). With
-    ``verify=True`` every record read is checked against the manifest
+    ``target`` is shaped like the saved object: nested dicts, lists and tuples holding
+    tensors, and objects with ``state_dict()``/``load_state_dict()`` (a module, an
+    optimizer, an LR scheduler, a grad scaler) in the place of their state dicts::
+
+        state = load_into({"model": model, "optim": optimizer, "sched": scheduler}, path)
+        epoch = state["epoch"]
+
+    - Each saved tensor is read into the target's tensor at the same place (same keys,
+      shape and dtype: ``ValueError`` naming the first that differs, before a byte is
+      read); a module's tensors are its parameters and buffers, filled where they are.
+    - Every other value (an optimizer's ``param_groups`` and step counts, a scheduler's
+      state, the epoch, any number, string or list) is the file's, as ``torch.load``
+      gives it; a key that holds no tensor may be missing on either side.
+    - An optimizer's per-parameter state that the target lacks (a fresh optimizer has
+      none before its first step) is created from the file and read in with the rest: on
+      its parameter's device where that is known (the optimizer itself was given, or the
+      target holds other state of that parameter), else in host memory; ``step`` in host
+      memory unless its group is capturable or fused (``Optimizer.load_state_dict``'s
+      placement). State the file lacks is dropped, as ``load_state_dict`` drops it.
+    - Each object given is then handed its part of the result through its own
+      ``load_state_dict`` (which keeps the tensors filled here: nothing is copied again),
+      so the optimizer's hyperparameters are the file's, not the live ones.
+
+    Returns the saved object with the target's (or the created) tensors in it, and at the
+    place of each object given, its filled state dict. A target of plain state dicts
+    (``{"model": model.state_dict(), "optim": optimizer.state_dict()}``) is filled the
+    same way but nothing is handed back: pass the result's parts to ``load_state_dict``
+    (``optimizer.load_state_dict(state["optim"])``; the target's own dicts keep their
+    old non-tensor values).
+
+    With ``verify=True`` every record read is checked against the manifest
     (:class:`CorruptCheckpointError` naming it; the targets then hold unchecked bytes,
     also where only the zip's headers are damaged: they are checked while the tensors are
-    read into the targets). Without it, a load that fails on a damaged file raises
-    :class:`CorruptCheckpointError` naming the damage where the structure shows it.
+    read into the targets, and no ``load_state_dict`` is called). Without it, a load that
+    fails on a damaged file raises :class:`CorruptCheckpointError` naming the damage where
+    the structure shows it.
     """
+    want = _Target(target)
+    result = _load_into(want, path, verify, weights_only)
+    want.restore(result)
+    return result
+
+
+def _load_into(target: _Target, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
+    """:func:`load_into` once its target is unwrapped: the fill, no ``load_state_dict``."""
     if not file_image.applies(None):
         # no offsets from torch's headers here: load it whole (checked there) and copy
         return _load_and_copy(target, path, verify, weights_only)
@@ -216,7 +409,7 @@ def _unchecked_layout(cf: CheckpointFile) -> Layout | None:
         return None
 
 
-def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str | os.PathLike,
+def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Target, path: str | os.PathLike,
           weights_only: bool | None, layout: Layout | None = None,
           before_reads: Callable[[], None] = lambda: None) -> Any:
     """load_into's work once the file is open. ``view``: the manifest, checked, that every
@@ -239,8 +432,9 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
             saved = plain_unpickle.structure(plain_unpickle.RecordBytes(_in_archive(layout[1], archive)),
                                              _in_archive({r.name: r.offset for r in storages}, archive))
             if saved is not NotImplemented:
-                fills: list[_Fill] = []
-                result = _match(saved, target, "", fills)
+                m = _Matcher(target)
+                result = m.match(saved, target.plain)
+                fills = m.fills
                 sizes = {r.offset: r.size for r in storages}
     if saved is not NotImplemented:
         before_reads()
@@ -261,8 +455,9 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
                 if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
                     f.prefetch_small_reads()
                     saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
-                fills: list[_Fill] = []
-                result = _match(saved, target, "", fills)
+                m = _Matcher(target)
+                result = m.match(saved, target.plain)
+                fills = m.fills
     if swapped:
         return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
     before_reads()
@@ -270,13 +465,13 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: Any, path: str 
     return result
 
 
-def _load_and_copy(target: Any, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
+def _load_and_copy(target: _Target, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
     """``load_into`` through a whole load and a copy into each target (checked there)."""
     saved = loader.load(path, map_location="cpu", weights_only=weights_only, verify=verify)
-    copies: list[_Fill] = []
-    result = _match(saved, target, "", copies)
+    m = _Matcher(target)
+    result = m.match(saved, target.plain)
     with torch.no_grad():
-        for f in copies:
+        for f in m.fills:
             f.target.copy_(f.source)
     return result
 
@@ -292,7 +487,11 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
             raise CorruptCheckpointError(cf.path, "data.pkl", f"tensor {f.key}: the pickle asks for {size} storage "
                                          f"bytes at byte {start}, where no storage record of that size lies")
         t = f.target
-        if t.device.type == "cpu" and t.is_contiguous() and f.source.is_contiguous():
+        src = f.source
+        # the span's bytes are the tensor's memory as it is: both row-major, or one dense
+        # layout of the same strides (a created tensor of a channels-last parameter's state)
+        if t.device.type == "cpu" and ((t.is_contiguous() and src.is_contiguous())
+                                       or (t.stride() == src.stride and src.is_dense())):
             k = (t.data_ptr(), f.offset, f.nbytes)
             if k not in seen:  # tied weights: one tensor under two keys
                 seen.add(k)

@@ -132,6 +132,25 @@ class SavedTensor:
             expected *= size
         return True
 
+    def is_dense(self) -> bool:
+        """Its elements fill a span of its storage without gaps or overlap, in any order
+        of dimensions (a permuted layout, such as channels-last, is dense): a tensor of the
+        same strides holds the span's bytes as they are."""
+        return is_dense(self.shape, self.stride)
+
+
+def is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Whether a view of ``shape`` and ``stride`` covers its span exactly once (torch's
+    non-overlapping-and-dense); an empty view is."""
+    if 0 in shape:
+        return True
+    expected = 1
+    for st, size in sorted((st, size) for size, st in zip(shape, stride) if size != 1):
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
 
 @dataclass(frozen=True)
 class _SavedStorage:
