@@ -100,8 +100,14 @@ def _is_stateful(x: Any) -> bool:
             and callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None)))
 
 
+_LEAVES = (type(None), bool, int, float, str, bytes)
+
+
 def _has_tensor(x: Any) -> bool:
+    """Whether ``x`` holds a tensor (or an object whose state is restored from the file)."""
     if isinstance(x, (torch.Tensor, SavedTensor)):
+        return True
+    if type(x) not in _LEAVES and _is_stateful(x):
         return True
     if isinstance(x, Mapping):
         return any(_has_tensor(v) for v in x.values())
@@ -118,55 +124,45 @@ def _is_optimizer_state(x: Any) -> bool:
             and all(isinstance(g, Mapping) and "params" in g for g in x["param_groups"]))
 
 
-class _Target:
-    """What ``load_into`` fills: the target with each stateful object replaced by its
-    ``state_dict()``, the objects to hand their filled state back to (by their place in
-    it), and each optimizer's parameters by index (where its created state goes)."""
+class _Matcher:
+    """Matches the saved structure with the target: each saved tensor with the target's
+    tensor at the same place (same keys, shape and dtype), the fills to make; each object
+    with ``state_dict()``/``load_state_dict()`` in the target by its state dict, to be
+    handed its filled state after the read (:meth:`restore`)."""
 
     def __init__(self, target: Any) -> None:
-        self.stateful: list[tuple[tuple[Any, ...], Any]] = []
+        self.target = target
+        self.fills: list[_Fill] = []
+        self.stateful: list[tuple[Any, Any]] = []  # (object, its filled state dict)
         self.params: dict[int, dict[Any, torch.Tensor]] = {}  # id(optimizer's state dict) -> index -> param
-        self.plain = self._unwrap(target, ())
 
-    def _unwrap(self, x: Any, at: tuple[Any, ...]) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x
-        if isinstance(x, Mapping):
-            out = {k: self._unwrap(v, at + (k,)) for k, v in x.items()}
-            return x if all(out[k] is v for k, v in x.items()) else out
-        if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
-            items = [self._unwrap(v, at + (i,)) for i, v in enumerate(x)]
-            return x if all(a is b for a, b in zip(items, x)) else type(x)(items)
-        if not _is_stateful(x):
-            return x
-        sd = x.state_dict()
-        self.stateful.append((at, x))
-        groups = getattr(x, "param_groups", None)
+    def run(self, saved: Any) -> Any:
+        """The saved structure with each tensor replaced by the target's (or a created one)."""
+        self.fills, self.stateful, self.params = [], [], {}
+        return self.match(saved, self.target)
+
+    def restore(self) -> None:
+        """Hand each object its filled state (its tensors, filled or created on its own
+        devices, are kept by its ``load_state_dict``: only the other values are set)."""
+        for obj, sd in self.stateful:
+            obj.load_state_dict(sd)
+
+    def _state_of(self, saved: Any, obj: Any, key: str) -> Any:
+        """An object of the target matched by its ``state_dict()``; an optimizer's
+        parameters noted by index (where the state created for each goes)."""
+        sd = obj.state_dict()
+        groups = getattr(obj, "param_groups", None)
         if _is_optimizer_state(sd) and isinstance(groups, list):
             ids = [i for g in sd["param_groups"] for i in g["params"]]
             params = [p for g in groups for p in g.get("params", ())]
             if len(ids) == len(params):
                 self.params[id(sd)] = dict(zip(ids, params))
-        return sd
-
-    def restore(self, result: Any) -> None:
-        """Hand each stateful object its filled state (its tensors, filled or created on
-        its own devices, are kept by its ``load_state_dict``; only hyperparameters and
-        other values are set)."""
-        for at, obj in self.stateful:
-            sd = result
-            for k in at:
-                sd = sd[k]
-            obj.load_state_dict(sd)
-
-
-class _Matcher:
-    """Matches the saved structure with the target: each saved tensor with the target's
-    tensor at the same place (same keys, shape and dtype), the fills to make."""
-
-    def __init__(self, target: _Target) -> None:
-        self.params = target.params
-        self.fills: list[_Fill] = []
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"load_into: {key or 'the object'} is {type(saved).__name__} in the file, "
+                             f"not the state dict of the target's {type(obj).__name__}")
+        out = self.match(saved, sd, key)
+        self.stateful.append((obj, out))
+        return out
 
     def match(self, saved: Any, target: Any, key: str = "", device: torch.device | None = None,
               created: bool = False) -> Any:
@@ -179,13 +175,35 @@ class _Matcher:
             if target is _ABSENT:
                 target = _allocate(saved, device or _CPU)
             elif not isinstance(target, torch.Tensor):
+                if _is_stateful(target):
+                    return self._state_of(saved, target, key)
                 raise ValueError(f"load_into: {key or 'the object'} is a tensor in the file but "
                                  f"{type(target).__name__} in the target")
-            return self._tensor(saved, target, key)
+            if saved.shape != target.shape or saved.dtype != target.dtype:
+                raise ValueError(f"load_into: {key or 'the tensor'} is {tuple(saved.shape)} {saved.dtype} in the file, "
+                                 f"{tuple(target.shape)} {target.dtype} in the target")
+            if isinstance(saved, torch.Tensor):
+                saved = _described(saved)
+            if isinstance(saved, torch.Tensor):  # read whole (no offsets): copied from the loaded tensor
+                self.fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
+                return target
+            last, numel = 0, 1  # the view's last element past its first, and how many it has
+            for n, st in zip(saved.shape, saved.stride):
+                last += (n - 1) * st
+                numel *= n
+            if numel == 0:
+                return target  # nothing to read (an empty view may point anywhere, even past its storage)
+            es = saved.element_size
+            # the bytes the view spans: numel * es where it is dense, less for an expanded one (stride 0)
+            self.fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, (last + 1) * es,
+                                    (saved.offset, saved.storage_nbytes), saved))
+            return target
         if isinstance(saved, Mapping):
             if target is _ABSENT:
                 out = {k: self.match(v, _ABSENT, _at(key, k), device, True) for k, v in saved.items()}
             elif not isinstance(target, Mapping):
+                if _is_stateful(target):
+                    return self._state_of(saved, target, key)
                 raise ValueError(f"load_into: {key or 'the object'} is a mapping in the file but "
                                  f"{type(target).__name__} in the target")
             elif _is_optimizer_state(saved) and _is_optimizer_state(target):
@@ -202,13 +220,15 @@ class _Matcher:
                                      f"{missing[:5]}, in the target only {unexpected[:5]}")
                 out = {k: self.match(v, target.get(k, _ABSENT), _at(key, k)) for k, v in saved.items()}
             else:
-                out = {k: self.match(v, target[k], _at(key, k)) for k, v in saved.items()}
+                out = {k: self.match(v, target[k], f"{key}.{k}" if key else str(k)) for k, v in saved.items()}
             if type(saved) is dict:
                 return out
             try:
                 return type(saved)(out)  # an OrderedDict stays one
             except TypeError:
                 return out
+        if target is not _ABSENT and type(target) not in _LEAVES and _is_stateful(target):
+            return self._state_of(saved, target, key)  # refused: not a state dict in the file
         if isinstance(saved, (list, tuple)) and not hasattr(saved, "_fields"):
             if target is not _ABSENT and (not isinstance(target, (list, tuple)) or len(target) != len(saved)):
                 if created or (not _has_tensor(saved) and not _has_tensor(target)):
@@ -229,54 +249,42 @@ class _Matcher:
         where that is known (the optimizer itself was given, or the target holds other
         state of that parameter), else in host memory; ``step`` stays in host memory unless
         its group is capturable or fused, as ``Optimizer.load_state_dict`` places it."""
+        sizes = [len(g["params"]) for g in saved["param_groups"]]
+        if sizes != [len(g["params"]) for g in target["param_groups"]]:
+            # Optimizer.load_state_dict would refuse it after the read: refused before it
+            raise ValueError(f"load_into: {_at(key, 'param_groups')} holds {sizes} parameters in the file, "
+                             f"{[len(g['params']) for g in target['param_groups']]} in the target")
+        # the file's parameter indices to the target's, by position, as load_state_dict maps them
+        ids = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
+                       (i for g in target["param_groups"] for i in g["params"])))
         params = self.params.get(id(target), {})
         groups = {i: g for g in saved["param_groups"] for i in g["params"]}
-        out = {k: self.match(v, target[k], _at(key, k)) if k in target and k != "state" else v
+        out = {k: self.match(v, target.get(k, _ABSENT), _at(key, k), None, k not in target)
                for k, v in saved.items() if k != "state"}
         state = {}
         have = target["state"]
+        prefix = _at(key, "state")
         for pid, v in saved["state"].items():
-            mine = have.get(pid, _ABSENT)
-            param = params.get(pid)
-            if param is not None:
-                device = param.device
-            else:  # another state tensor of the parameter in the target says where it lives
+            mine = have.get(ids.get(pid, pid), _ABSENT)
+            param = params.get(ids.get(pid, pid))
+            device = None if param is None else param.device
+            if device is None and isinstance(mine, Mapping) and isinstance(v, Mapping) and not v.keys() <= mine.keys():
+                # another state tensor of the parameter in the target says where it lives
                 device = next((t.device for k, t in mine.items() if k != "step" and isinstance(t, torch.Tensor)),
-                              None) if isinstance(mine, Mapping) else None
-            g = groups.get(pid, {})
-            on_param = g.get("capturable", False) or g.get("fused", False)
-            at = _at(_at(key, "state"), pid)
+                              None)
+            at = f"{prefix}.{pid}"
             if isinstance(v, Mapping):
+                g = groups.get(pid, {})
+                step_device = device if g.get("capturable", False) or g.get("fused", False) else _CPU
                 if not isinstance(mine, Mapping):
                     mine = {}
-                state[pid] = {k: self.match(x, mine.get(k, _ABSENT), _at(at, k),
-                                            device if k != "step" or on_param else _CPU, True)
+                state[pid] = {k: self.match(x, mine.get(k, _ABSENT), f"{at}.{k}", step_device if k == "step" else device,
+                                            True)
                               for k, x in v.items()}
             else:
                 state[pid] = self.match(v, mine, at, device, True)
         out["state"] = state
         return {k: out[k] for k in saved}  # the file's order of keys
-
-    def _tensor(self, saved: Any, target: torch.Tensor, key: str) -> torch.Tensor:
-        if saved.shape != target.shape or saved.dtype != target.dtype:
-            raise ValueError(f"load_into: {key or 'the tensor'} is {tuple(saved.shape)} {saved.dtype} in the file, "
-                             f"{tuple(target.shape)} {target.dtype} in the target")
-        if isinstance(saved, torch.Tensor):
-            saved = _described(saved)
-        if isinstance(saved, torch.Tensor):  # read whole (no offsets): copied from the loaded tensor
-            self.fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
-            return target
-        last, numel = 0, 1  # the view's last element past its first, and how many it has
-        for n, st in zip(saved.shape, saved.stride):
-            last += (n - 1) * st
-            numel *= n
-        if numel == 0:
-            return target  # nothing to read (an empty view may point anywhere, even past its storage)
-        es = saved.element_size
-        # the bytes the view spans: numel * es where it is dense, less for an expanded one (stride 0)
-        self.fills.append(_Fill(key, target, saved.offset + saved.storage_offset * es, (last + 1) * es,
-                                (saved.offset, saved.storage_nbytes), saved))
-        return target
 
 
 def _at(key: str, k: Any) -> str:
@@ -324,7 +332,7 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
       read); a module's tensors are its parameters and buffers, filled where they are.
     - Every other value (an optimizer's ``param_groups`` and step counts, a scheduler's
       state, the epoch, any number, string or list) is the file's, as ``torch.load``
-      gives it; a key that holds no tensor may be missing on either side.
+      gives it, also where the target lacks the key or holds something else there.
     - An optimizer's per-parameter state that the target lacks (a fresh optimizer has
       none before its first step) is created from the file and read in with the rest: on
       its parameter's device where that is known (the optimizer itself was given, or the
@@ -349,13 +357,13 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     fails on a damaged file raises :class:`CorruptCheckpointError` naming the damage where
     the structure shows it.
     """
-    want = _Target(target)
-    result = _load_into(want, path, verify, weights_only)
-    want.restore(result)
+    m = _Matcher(target)
+    result = _load_into(m, path, verify, weights_only)
+    m.restore()
     return result
 
 
-def _load_into(target: _Target, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
+def _load_into(target: _Matcher, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
     """:func:`load_into` once its target is unwrapped: the fill, no ``load_state_dict``."""
     if not file_image.applies(None):
         # no offsets from torch's headers here: load it whole (checked there) and copy
@@ -409,7 +417,7 @@ def _unchecked_layout(cf: CheckpointFile) -> Layout | None:
         return None
 
 
-def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Target, path: str | os.PathLike,
+def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Matcher, path: str | os.PathLike,
           weights_only: bool | None, layout: Layout | None = None,
           before_reads: Callable[[], None] = lambda: None) -> Any:
     """load_into's work once the file is open. ``view``: the manifest, checked, that every
@@ -432,9 +440,8 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Target, path: 
             saved = plain_unpickle.structure(plain_unpickle.RecordBytes(_in_archive(layout[1], archive)),
                                              _in_archive({r.name: r.offset for r in storages}, archive))
             if saved is not NotImplemented:
-                m = _Matcher(target)
-                result = m.match(saved, target.plain)
-                fills = m.fills
+                result = target.run(saved)
+                fills = target.fills
                 sizes = {r.offset: r.size for r in storages}
     if saved is not NotImplemented:
         before_reads()
@@ -455,9 +462,8 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Target, path: 
                 if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
                     f.prefetch_small_reads()
                     saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
-                m = _Matcher(target)
-                result = m.match(saved, target.plain)
-                fills = m.fills
+                result = target.run(saved)
+                fills = target.fills
     if swapped:
         return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
     before_reads()
@@ -465,13 +471,12 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Target, path: 
     return result
 
 
-def _load_and_copy(target: _Target, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
+def _load_and_copy(target: _Matcher, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
     """``load_into`` through a whole load and a copy into each target (checked there)."""
     saved = loader.load(path, map_location="cpu", weights_only=weights_only, verify=verify)
-    m = _Matcher(target)
-    result = m.match(saved, target.plain)
+    result = target.run(saved)
     with torch.no_grad():
-        for f in m.fills:
+        for f in target.fills:
             f.target.copy_(f.source)
     return result
 

@@ -197,6 +197,10 @@ def test_resume_keeps_refusing_what_does_not_fit(disk_dir):
     with pytest.raises(ValueError, match=r"model\.3\.weight is \(5, 64\).*\(6, 64\)"):
         fp_core.load_into({"model": other, "optim": opt, "sched": sched, "epoch": 0}, path)
     assert opt.param_groups[0]["lr"] == lr
+    half = torch.optim.Adam(model[0].parameters())  # an optimizer of other parameters: before the read
+    with pytest.raises(ValueError, match=r"optim\.param_groups holds \[4\] parameters in the file, \[2\]"):
+        fp_core.load_into({"model": model, "optim": half, "sched": sched, "epoch": 0}, path)
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     with pytest.raises(ValueError, match=r"in the file only \['3\.bias'\]"):  # a model key missing
         fp_core.load_into({"model": {k: v for k, v in model.state_dict().items() if k != "3.bias"},
                            "optim": opt, "sched": sched, "epoch": 0}, path)
