@@ -163,9 +163,14 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
 
 def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, weights_only: bool | None = True,
               storage_options: dict | None = None, keep_local: bool = False) -> Any:
-    """Fill ``target``'s existing tensors from the checkpoint at ``path``, reading each
-    one's bytes straight into its memory (see :func:`fp_core.load_in_place.load_into`); a
-    remote URL is fetched into local staging first."""
+    """Resume from the checkpoint at ``path``: ``target``'s tensors are filled in place, each
+    one's bytes read straight into its memory; returns the saved object (what
+    ``torch.load`` returns, with the target's tensors in it). ``target`` may hold the
+    model, optimizer and scheduler themselves (``{"model": model, "optim": optimizer}``):
+    each is then handed the file's state by its own ``load_state_dict`` (the file's lr,
+    not the live one), and a fresh optimizer's state is created from the file. See
+    :func:`fp_core.load_in_place.load_into`. A remote URL is fetched into local staging
+    first."""
     from .load_in_place import load_into as fill
 
     is_remote, p = paths.split(path)

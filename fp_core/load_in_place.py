@@ -1,5 +1,7 @@
 """Loading into tensors that already exist: a resume fills the model's and the optimizer's
-own tensors, reading each one's bytes from the file straight into its memory.
+own tensors, reading each one's bytes from the file straight into its memory; the state a
+fresh optimizer does not have yet is created from the file and read in the same way, and
+every value that is no tensor is the file's (:func:`load_into`).
 
 The file's structure comes from its pickle, each tensor described by its storage's
 offset in the file and its view of it: read by :mod:`fp_core.plain_unpickle` where the
