@@ -92,6 +92,12 @@ def is_checkpoint_dir(path: str | os.PathLike) -> bool:
     return os.path.isfile(os.path.join(p, DIR_MANIFEST)) and os.path.isfile(os.path.join(p, METADATA))
 
 
+def _is_dcp_dir(d: str) -> bool:
+    """DCP's (stock or ours: a directory manifest without .metadata is a damaged one of
+    ours), or a directory of other files."""
+    return os.path.lexists(os.path.join(d, METADATA)) or os.path.lexists(os.path.join(d, DIR_MANIFEST))
+
+
 def check_extra_files(extra_files: dict[str, bytes]) -> dict[str, bytes]:
     """The extra files of a checkpoint directory, their names checked (plain names, none of
     DCP's or FastPersist's own)."""
@@ -739,9 +745,15 @@ def _check_metadata(d: str, raw: bytes) -> None:
 def verify_dir(path: str | os.PathLike) -> dict:
     """Check every rank file of a FastPersist DCP directory, and every item in it, against
     the checksums recorded at save time; raise :class:`CorruptCheckpointError` naming the
-    rank file and the FQN of a damaged item (or the file that is missing)."""
+    rank file and the FQN of a damaged item (or the file that is missing). A directory
+    that is not DCP's (no ``.metadata``: the HF Trainer's ``checkpoint-N``) is verified
+    file by file (:func:`fp_core.checkpoint_dir.verify_dir`)."""
     t0 = time.perf_counter()
     d = os.fspath(path)
+    if not _is_dcp_dir(d):
+        from . import checkpoint_dir
+
+        return checkpoint_dir.verify_dir(d, verify_dir)
     table = _dir_manifest(d)
     nbytes = nitems = 0
     for name, manifest_crc in sorted(table.items()):
@@ -792,8 +804,13 @@ def verify_extra_files(path: str | os.PathLike) -> dict[str, int]:
 
 
 def inspect_dir(path: str | os.PathLike) -> list[dict]:
-    """Every item of every rank file: file, FQN, kind, offset, size, checksum."""
+    """Every item of every rank file: file, FQN, kind, offset, size, checksum (a directory
+    that is not DCP's: every checkpoint file's records, :func:`fp_core.checkpoint_dir.inspect_dir`)."""
     d = os.fspath(path)
+    if not _is_dcp_dir(d):
+        from . import checkpoint_dir
+
+        return checkpoint_dir.inspect_dir(d, inspect_dir)
     rows = []
     for name in sorted(_dir_manifest(d)):
         for it in _read_manifest(os.path.join(d, name))["items"]:

@@ -502,15 +502,50 @@ def check_storages(cf: CheckpointFile, view: ManifestView, records: list[RecordI
         check_crc(cf.path, r, crc)
 
 
+def other_format(cf: CheckpointFile) -> str | None:
+    """What ``cf`` is when it is not a zip (FastPersist's or torch's): ``"safetensors"``,
+    ``"json"`` or ``"foreign"`` (none of the formats FastPersist writes); None for a zip, a
+    file ending in FastPersist's tail mark (a damaged one of ours) or torch's legacy format
+    (their own checks say what they are)."""
+    if cf.pread(0, 4) == b"PK\x03\x04":
+        return None
+    from . import safetensors_file
+
+    if safetensors_file.looks_like(cf):
+        return "safetensors"
+    if cf.carries_tail_mark() or cf._legacy_torch_file():
+        return None
+    if safetensors_file.looks_like_json(cf):
+        return "json"
+    return "foreign"
+
+
+def _not_ours(path: str) -> NotAFastPersistCheckpoint:
+    return NotAFastPersistCheckpoint(f"{path} is not a FastPersist checkpoint: neither a zip (torch.save), a "
+                                     "safetensors file nor JSON")
+
+
 def verify(path: str | os.PathLike) -> dict:
     """Check every byte of ``path`` against its manifest.
 
     Returns a small report; raises :class:`CorruptCheckpointError` naming the first damaged
-    record (and the tensor that uses it), or :class:`NotAFastPersistCheckpoint`.
+    record (and the tensor that uses it), or :class:`NotAFastPersistCheckpoint`. A
+    safetensors file is checked against the checksums FastPersist writes into its header,
+    or, written by another tool, its structure (``"checksums": False`` in the report); a
+    JSON file must parse (``"kind": "json"``).
     """
     t0 = time.perf_counter()
     path = os.fspath(path)
     with CheckpointFile(path) as cf:
+        kind = other_format(cf)
+        if kind is not None:
+            from . import safetensors_file
+
+            if kind == "safetensors":
+                return safetensors_file.verify(cf)
+            if kind == "json":
+                return safetensors_file.check_json(cf)
+            raise _not_ours(path)
         view = read_manifest(cf)
         check_structure(cf, view)
         check_storages(cf, view)
@@ -523,8 +558,17 @@ def verify(path: str | os.PathLike) -> dict:
 
 
 def inspect(path: str | os.PathLike) -> list[dict]:
-    """The records of a checkpoint: name, tensor, dtype, size, offset, checksum."""
+    """The records of a checkpoint: name, tensor, dtype, size, offset, checksum (a
+    safetensors file: its tensors, with their shapes)."""
     with CheckpointFile(path) as cf:
+        kind = other_format(cf)
+        if kind == "safetensors":
+            from . import safetensors_file
+
+            return safetensors_file.inspect(cf)
+        if kind is not None:
+            raise NotAFastPersistCheckpoint(f"{cf.path} is a JSON file, not a checkpoint: nothing to list") \
+                if kind == "json" else _not_ours(cf.path)
         try:
             m = read_manifest(cf, check_tail=False).manifest
         except NotAFastPersistCheckpoint:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _native, file_image
+from . import _native, file_image, safetensors_file
 from .errors import CheckpointError, NotAFastPersistCheckpoint
 from .gc_pause import gc_paused
 from .integrity import (
@@ -26,6 +26,7 @@ from .integrity import (
     check_storages,
     check_structure,
     damage_named,
+    other_format,
     read_manifest,
 )
 
@@ -140,10 +141,22 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     threads before the call returns (see :func:`fp_core.file_image.map_image`). A file
     that cannot be read whole (torch's legacy format, a TorchScript archive) or a kernel
     older than Linux 5.14 gets tensors in memory of their own, as without it.
+
+    A safetensors file (``fp_core.save(..., format="safetensors")``, a ``model.safetensors``)
+    loads as ``safetensors.torch.load_file`` would: a ``{name: tensor}`` dict, checked
+    against the checksums FastPersist writes into its header with ``verify`` (``True``: a
+    file without any raises :class:`NotAFastPersistCheckpoint`). A JSON file raises
+    :class:`NotAFastPersistCheckpoint` saying so.
     """
     if verify not in (True, False, "auto"):
         raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
     with CheckpointFile(path) as cf:
+        kind = other_format(cf)
+        if kind == "safetensors":  # FastPersist writes these too: loaded as load_file does
+            return safetensors_file.load(cf, map_location, verify)
+        if kind == "json":
+            raise NotAFastPersistCheckpoint(f"{cf.path} is a JSON file, not a torch checkpoint: read it with "
+                                            "json.load")
         whole = file_image.applies(map_location, mapped=mmap) and cf.pread(0, 4) == b"PK\x03\x04"
         view = None
         if verify:

@@ -525,7 +525,14 @@ def write_tail(engine: _native.Engine, plan: FilePlan, body_pieces: list[PieceCr
         if plan.manifest is not None:
             combine_piece_crcs(plan, body_pieces + tail_piece_crcs(plan))
             finish_tail(plan)
-        write_range(engine, plan, plan.tail_start, plan.file_size, options, stats)
+        tail_pieces = write_range(engine, plan, plan.tail_start, plan.file_size, options, stats)
+        finish_header = getattr(plan, "finish_header", None)
+        if finish_header is not None:
+            # safetensors: the checksums go in the header, at the file's start, so its
+            # blocks are written again once every tensor is (safetensors_plan)
+            lo, hi = finish_header(body_pieces + tail_pieces)
+            keep: list = []
+            _write_rows(engine, _extents(plan, [], lo, hi, _congruence(engine), keep), lo, hi, stats)
     finally:
         _release(staged)
     if on_body_written is not None:

@@ -3,11 +3,14 @@ the objects the format cannot hold."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import assert_no_temps, tensor_bytes
+from conftest import REPO, assert_no_temps, flip_byte, tensor_bytes
 
 import fp_core
 
@@ -37,8 +40,8 @@ def test_safetensors_roundtrip_and_metadata(disk_dir):
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
         assert tensor_bytes(got[k]) == tensor_bytes(v), k
-    with safe_open(path, framework="pt") as f:
-        assert f.metadata() == meta
+    with safe_open(path, framework="pt") as f:  # the caller's metadata, and FastPersist's checksums
+        assert {k: v for k, v in f.metadata().items() if not k.startswith("fastpersist.")} == meta
     assert_no_temps(disk_dir)
 
 
@@ -51,3 +54,140 @@ def test_safetensors_rejects_non_flat_and_shared(disk_dir):
         fp_core.save({"a": t, "b": t}, path, format="safetensors")
     assert not os.path.exists(path)
     assert_no_temps(disk_dir)
+
+
+def _tensors() -> dict:
+    g = torch.Generator().manual_seed(7)
+    return {"embed.weight": torch.randn(300, 64, generator=g), "norm": torch.randn(7, generator=g).half(),
+            "empty": torch.empty(0), "ids": torch.arange(1000, dtype=torch.int64),
+            "big": torch.randn(1 << 20, generator=g)}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fp_core.tools.cli", *args], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+
+
+def test_our_safetensors_carry_checksums_that_verify_and_load(disk_dir):
+    """verify, inspect, load(verify="auto"|True) and `fastpersist verify` take FastPersist's own
+    safetensors files: each tensor is checked against the CRC-32C in the header's metadata."""
+    from safetensors.torch import load_file
+
+    path = os.path.join(disk_dir, "model.safetensors")
+    tensors = _tensors()
+    fp_core.save(tensors, path, format="safetensors")
+    report = fp_core.verify(path)
+    assert report["kind"] == "safetensors" and report["checksums"] and report["records"] == len(tensors)
+    rows = {r["tensor"]: r for r in fp_core.inspect(path)}
+    assert set(rows) == set(tensors) and rows["norm"]["dtype"] == "F16" and rows["embed.weight"]["shape"] == [300, 64]
+    assert all(len(r["crc32c"]) == 8 for r in rows.values())
+    for verify in (False, "auto", True):
+        got = fp_core.load(path, verify=verify)
+        assert set(got) == set(tensors)
+        for k, v in tensors.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    stock = load_file(path)
+    assert all(torch.equal(stock[k], v) for k, v in tensors.items())
+    out = _cli("verify", path)
+    assert out.returncode == 0 and "safetensors, 5 tensors" in out.stdout and "verified" in out.stdout, out
+
+
+@pytest.mark.parametrize("where", ["tensor", "header", "dtype", "padding", "size"])
+def test_damage_to_our_safetensors_is_named(disk_dir, where):
+    path = os.path.join(disk_dir, "model.safetensors")
+    fp_core.save(_tensors(), path, format="safetensors")
+    big = next(r for r in fp_core.inspect(path) if r["tensor"] == "big")
+    if where == "tensor":
+        flip_byte(path, big["offset"] + big["size"] // 3)
+    elif where == "header":  # a digit of a shape: still valid JSON, another tensor
+        data = open(path, "rb").read()
+        at = data.index(b'"shape":[300,64]') + len(b'"shape":[')
+        flip_byte(path, at + 1, 0x01)  # 300 -> 310: still JSON, the sizes no longer match
+    elif where == "dtype":  # I64 -> U64: the structure still fits, only the header's CRC tells
+        data = open(path, "rb").read()
+        flip_byte(path, data.index(b'"I64"') + 1, ord("I") ^ ord("U"))
+        with pytest.raises(fp_core.CorruptCheckpointError, match="safetensors header"):
+            fp_core.load(path)  # the header's own CRC is checked on every load (it is a few KiB)
+    elif where == "padding":
+        data = open(path, "rb").read()
+        flip_byte(path, data.index(b"} ") + 5, 0x01)  # a space of the header's padding
+    else:
+        with open(path, "ab") as f:
+            f.write(b"\0" * 16)
+    with pytest.raises(fp_core.CorruptCheckpointError) as ei:
+        fp_core.verify(path)
+    assert ei.value.path == path
+    if where == "tensor":
+        assert ei.value.tensor == "big"
+    with pytest.raises(fp_core.CorruptCheckpointError):
+        fp_core.load(path, verify="auto")
+    out = _cli("verify", path)
+    assert out.returncode == 1 and "FAIL" in out.stderr, out
+
+
+def test_a_safetensors_file_of_another_tool_is_structure_checked(disk_dir):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = os.path.join(disk_dir, "stock.safetensors")
+    tensors = _tensors()
+    save_file(tensors, path, metadata={"format": "pt"})
+    report = fp_core.verify(path)
+    assert report["kind"] == "safetensors" and not report["checksums"]
+    out = _cli("verify", path)
+    assert out.returncode == 0 and "no checksums, structure checked" in out.stdout, out
+    got = fp_core.load(path, verify="auto")
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+    with pytest.raises(fp_core.NotAFastPersistCheckpoint, match="without FastPersist checksums"):
+        fp_core.load(path, verify=True)
+    # FastPersist's metadata copied into a file another tool wrote: not taken for its checksums
+    ours = os.path.join(disk_dir, "ours.safetensors")
+    fp_core.save(tensors, ours, format="safetensors")
+    with safe_open(ours, "pt") as f:
+        meta = f.metadata()
+    save_file(tensors, path, metadata=meta)
+    report = fp_core.verify(path)
+    assert not report["checksums"] and "metadata copied" in report["note"]
+    with open(path, "r+b") as f:  # its structure is still checked
+        f.truncate(os.path.getsize(path) - 1)
+    with pytest.raises(fp_core.CorruptCheckpointError, match="truncated or extended"):
+        fp_core.verify(path)
+
+
+def test_an_async_safetensors_save_carries_checksums(disk_dir):
+    path = os.path.join(disk_dir, "model.safetensors")
+    tensors = _tensors()
+    ck = fp_core.AsyncCheckpointer()
+    try:
+        ck.save(tensors, path, format="safetensors", metadata={"epoch": "2"}).result()
+    finally:
+        ck.close()
+    assert fp_core.verify(path)["checksums"]
+    got = fp_core.load(path, verify=True)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
+
+
+def test_json_and_foreign_files(disk_dir):
+    good, bad = os.path.join(disk_dir, "trainer_state.json"), os.path.join(disk_dir, "config.json")
+    with open(good, "w") as f:
+        json.dump({"global_step": 8}, f)
+    with open(bad, "w") as f:
+        f.write('{"global_step": 8')
+    assert fp_core.verify(good)["kind"] == "json"
+    out = _cli("verify", good)
+    assert out.returncode == 0 and "JSON" in out.stdout, out
+    with pytest.raises(fp_core.CorruptCheckpointError, match="does not parse"):
+        fp_core.verify(bad)
+    with pytest.raises(fp_core.NotAFastPersistCheckpoint, match="JSON file, not a torch checkpoint"):
+        fp_core.load(good)
+    stock, noise = os.path.join(disk_dir, "stock.pt"), os.path.join(disk_dir, "noise.bin")
+    torch.save({"w": torch.ones(3)}, stock)
+    with open(noise, "wb") as f:
+        f.write(bytes(range(256)) * 8)
+    for p in (stock, noise):
+        with pytest.raises(fp_core.NotAFastPersistCheckpoint):
+            fp_core.verify(p)
+        out = _cli("verify", p)
+        assert out.returncode == 3 and "not a FastPersist checkpoint" in out.stderr, out
+    out = _cli("verify", stock, good, bad)  # damage outranks "not ours"
+    assert out.returncode == 1, out

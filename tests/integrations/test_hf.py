@@ -154,7 +154,9 @@ def test_file_set_and_contents_match_stock(tmp_path):
         a, b = tmp_path / "stock" / c, tmp_path / "fp" / c
         state_equal(load_file(a / "model.safetensors"), load_file(b / "model.safetensors"))
         with safe_open(b / "model.safetensors", "pt") as f:
-            assert f.metadata() == {"format": "pt"}
+            meta = f.metadata()  # stock's, and FastPersist's checksums beside it
+            assert {k: v for k, v in meta.items() if not k.startswith("fastpersist.")} == {"format": "pt"}
+            assert fp_core.verify(b / "model.safetensors")["checksums"]
         optim_equal(torch.load(a / "optimizer.pt", weights_only=True), torch.load(b / "optimizer.pt", weights_only=True))
         assert torch.load(a / "scheduler.pt", weights_only=True) == torch.load(b / "scheduler.pt", weights_only=True)
         assert trainer_state_core(str(a / "trainer_state.json")) == trainer_state_core(str(b / "trainer_state.json"))
