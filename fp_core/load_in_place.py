@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -348,9 +348,9 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     Returns the saved object with the target's (or the created) tensors in it, and at the
     place of each object given, its filled state dict. A target of plain state dicts
     (``{"model": model.state_dict(), "optim": optimizer.state_dict()}``) is filled the
-    same way but nothing is handed back: pass the result's parts to ``load_state_dict``
-    (``optimizer.load_state_dict(state["optim"])``; the target's own dicts keep their
-    old non-tensor values).
+    same way, and after the read its own dicts and lists are made to hold what the result
+    holds (the file's non-tensor values, the created state; keys the file lacks removed),
+    but nothing is handed to the objects: ``optimizer.load_state_dict(state["optim"])``.
 
     With ``verify=True`` every record read is checked against the manifest
     (:class:`CorruptCheckpointError` naming it; the targets then hold unchecked bytes,
@@ -361,8 +361,48 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     """
     m = _Matcher(target)
     result = _load_into(m, path, verify, weights_only)
+    _write_back(target, result)
     m.restore()
     return result
+
+
+def _write_back(target: Any, result: Any) -> None:
+    """After the read, the target's own dicts and lists hold what the result holds: the
+    file's values that are no tensors (an optimizer state dict's ``param_groups``, so its
+    lr), the state created for a fresh optimizer; keys the file lacks are removed. So
+    ``load_into(state, path); optimizer.load_state_dict(state["optim"])`` restores the
+    file's optimizer, not the live hyperparameters. Tensors filled in place are the same
+    objects and stay; immutable containers (tuples) are replaced in their parent."""
+    if _mutable_map(target) and _map(result):
+        if not result.keys() >= target.keys():
+            for k in [k for k in target if k not in result]:
+                del target[k]
+        get = target.get
+        for k in [k for k, r in result.items() if get(k, _ABSENT) is not r]:  # most are the same tensors
+            t, r = get(k, _ABSENT), result[k]
+            if (_mutable_map(t) and _map(r)) or (type(t) is list and type(r) is list):
+                _write_back(t, r)
+            elif not _is_stateful(t):  # an object keeps its place: it was handed its state
+                target[k] = r
+    elif type(target) is list and isinstance(result, (list, tuple)):
+        if len(target) != len(result):
+            target[:] = result
+            return
+        for i, (t, r) in enumerate(zip(target, result)):
+            if t is r:
+                continue
+            if (_mutable_map(t) and _map(r)) or (type(t) is list and type(r) is list):
+                _write_back(t, r)
+            elif not _is_stateful(t):
+                target[i] = r
+
+
+def _map(x: Any) -> bool:
+    return type(x) is dict or isinstance(x, Mapping)  # the ABC's check only for other types: it is slow
+
+
+def _mutable_map(x: Any) -> bool:
+    return type(x) is dict or isinstance(x, MutableMapping)
 
 
 def _load_into(target: _Matcher, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:

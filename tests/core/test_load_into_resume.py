@@ -211,3 +211,41 @@ def test_resume_keeps_refusing_what_does_not_fit(disk_dir):
     with pytest.raises(NotAFastPersistCheckpoint):
         torch.save({"model": model.state_dict()}, path)
         fp_core.load_into({"model": model}, path, verify=True)
+
+
+@pytest.mark.parametrize("writer", ["fastpersist", "torch"])
+def test_resume_through_a_whole_load_creates_state_too(disk_dir, writer):
+    """Where torch computes the storages' offsets itself (its ``calculate_storage_offsets``
+    setting) load_into loads the file whole and copies: the same resume, the same step."""
+    from torch.utils.serialization import config
+
+    path = os.path.join(disk_dir, "ckpt.pt")
+    _, file_lr = _saved_job("adam", path, writer)
+    stock = _stock_resume("adam", path)
+    model, opt, sched = _job("adam", 1)
+    was = config.load.calculate_storage_offsets  # set and put back as torch's config wants (no delattr)
+    config.load.calculate_storage_offsets = True
+    try:
+        state = fp_core.load_into({"model": model, "optim": opt, "sched": sched}, path)
+    finally:
+        config.load.calculate_storage_offsets = was
+    assert state["epoch"] == 3 and opt.param_groups[0]["lr"] == file_lr
+    _assert_same_next_step(stock, (model, opt, sched))
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_the_old_recipe_restores_the_files_optimizer_too(disk_dir, fresh):
+    """``load_into(state, p); optimizer.load_state_dict(state["optim"])``, the target's own
+    dicts handed on: after the read they hold the file's lr and the created state."""
+    path = os.path.join(disk_dir, "ckpt.pt")
+    live, file_lr = _saved_job("adam", path, "fastpersist")
+    stock = _stock_resume("adam", path)
+    model, opt, sched = _job("adam", 1) if fresh else live
+    state = {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict()}
+    assert state["optim"]["param_groups"][0]["lr"] == (0.05 if fresh else LIVE_LR)
+    fp_core.load_into(state, path)
+    assert state["optim"]["param_groups"][0]["lr"] == file_lr and "epoch" in state
+    opt.load_state_dict(state["optim"])
+    sched.load_state_dict(state["sched"])
+    assert opt.param_groups[0]["lr"] == file_lr
+    _assert_same_next_step(stock, (model, opt, sched))
