@@ -624,3 +624,39 @@ def test_failed_fsync_of_a_staged_checkpoint_leaves_no_staging(tmp_path, monkeyp
     with pytest.raises(Exception, match="Input/output error"):
         t.train()
     assert checkpoints(tmp_path / "o") == [] and no_staging(tmp_path / "o")
+
+
+def test_fastpersist_verify_of_the_callbacks_checkpoint_directory(tmp_path):
+    """`fastpersist verify checkpoint-N` and fp_core.verify of the directory the callback
+    writes: every file checked for what it is (model.safetensors against its checksums, the
+    .pt files byte for byte, JSON parses), the Trainer's own torch.save files listed as
+    unchecked; a damaged tensor byte of model.safetensors is named, and resume refuses it."""
+    from fp_integrations.hf import verify_checkpoint_dir
+
+    t, _ = make_trainer(tmp_path, fp=True, max_steps=2, save_steps=2)
+    t.train()
+    ck = tmp_path / "checkpoint-2"
+    report = fp_core.verify(ck)
+    kinds = {os.path.basename(r["path"]): r.get("kind", "torch") for r in report["reports"]}
+    assert kinds["model.safetensors"] == "safetensors" and kinds["optimizer.pt"] == "torch"
+    assert kinds["trainer_state.json"] == "json" and kinds["config.json"] == "json"
+    assert {"rng_state.pth", "training_args.bin"} <= set(report["unchecked"])
+    assert verify_checkpoint_dir(str(ck)) == report["files"] >= 5
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "verify", str(ck)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0 and out.stdout.startswith(f"OK   {ck}: directory"), out
+    rows = fp_core.inspect(ck)
+    assert any(r["name"].startswith("model.safetensors:") for r in rows)
+    weight = next(r for r in rows if r["name"].startswith("model.safetensors:") and r["size"] >= 1024)
+    with open(ck / "model.safetensors", "r+b") as f:
+        f.seek(weight["offset"] + weight["size"] // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    with pytest.raises(fp_core.CorruptCheckpointError, match="refusing to resume") as ei:
+        verify_checkpoint_dir(str(ck))
+    assert ei.value.path == str(ck / "model.safetensors") and ei.value.tensor == weight["tensor"]
+    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "verify", str(ck)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 1 and weight["tensor"] in out.stderr, out
