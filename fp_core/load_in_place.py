@@ -160,7 +160,8 @@ class _Matcher:
             if len(ids) == len(params):
                 self.params[id(sd)] = dict(zip(ids, params))
         if not isinstance(saved, Mapping):
-            raise ValueError(f"load_into: {key or 'the object'} is {type(saved).__name__} in the file, "
+            what = "a tensor" if isinstance(saved, (SavedTensor, torch.Tensor)) else type(saved).__name__
+            raise ValueError(f"load_into: {key or 'the object'} is {what} in the file, "
                              f"not the state dict of the target's {type(obj).__name__}")
         out = self.match(saved, sd, key)
         self.stateful.append((obj, out))

@@ -208,6 +208,8 @@ def test_resume_keeps_refusing_what_does_not_fit(disk_dir):
     with pytest.raises(ValueError, match=r"in the target only \['scaler'\]"):  # an object the file lacks
         fp_core.load_into({"model": model, "optim": opt, "sched": sched, "epoch": 0,
                            "scaler": torch.nn.Linear(1, 1)}, path)
+    with pytest.raises(ValueError, match=r"epoch is int in the file, not the state dict of the target's Linear"):
+        fp_core.load_into({"model": model, "optim": opt, "sched": sched, "epoch": torch.nn.Linear(1, 1)}, path)
     with pytest.raises(NotAFastPersistCheckpoint):
         torch.save({"model": model.state_dict()}, path)
         fp_core.load_into({"model": model}, path, verify=True)
