@@ -23,6 +23,7 @@ files costs the training loop nothing.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -31,6 +32,7 @@ import re
 import shutil
 import socket
 import stat
+import struct
 import threading
 import uuid
 from pathlib import Path
@@ -121,21 +123,14 @@ def _remove_unheld(path: str, inode: int) -> bool:
         if st.st_ino != inode or os.lstat(path).st_ino != inode:
             return False  # the name holds another file now (a finished checkpoint, a new save)
         if not _TEMP_RE.match(os.path.basename(path)):
-            if st.st_size != 0 or _xattr(fd) is None:
-                return False  # not an empty, marked placeholder any more
+            if _placeholder_tag(fd) is None:
+                return False  # not a marked placeholder any more
         os.unlink(path)
         return True
     except FileNotFoundError:
         return False
     finally:
         os.close(fd)
-
-
-def _xattr(fd: int) -> bytes | None:
-    try:
-        return os.getxattr(fd, PLACEHOLDER_XATTR)
-    except OSError:
-        return None
 
 
 def link_fd(fd: int, name: str) -> None:
@@ -262,8 +257,12 @@ class TempFile:
         return os.path.dirname(self.final) if self.unnamed else self.name
 
     def publish(self) -> None:
-        """Link (unnamed) and rename the finished file over the final name, durably."""
+        """Link (unnamed) and rename the finished file over the final name, durably; it
+        keeps what the file it replaces had (:func:`adopt_attributes`)."""
         try:
+            if self._held is None:
+                raise ValueError(f"temporary file of {self.final} is closed")
+            adopt_attributes(self._held, self.final)
             if self.unnamed:
                 # Linked and renamed in one native call (straight to the final name when it
                 # is free): a kill between the two leaves the file under its temporary name,
@@ -291,39 +290,205 @@ class TempFile:
             self._held = None
 
 
-def check_target(final: str) -> str:
-    """Validate a checkpoint path before any work; return its absolute form.
+def check_target(final: str | os.PathLike) -> str:
+    """Validate a checkpoint path before any work; return the file to replace, absolute,
+    with every symlink resolved.
 
-    Raises with the path and the cause: a missing or non-directory parent, a path that
-    is a directory, a parent we cannot write to.
+    ``torch.save`` is the reference for what happens at the path (docs/reliability.md, "The
+    user's files"): a symlink, absolute, relative or a chain, is written through (the file it
+    names is replaced, created where it dangles), so the temporary file, the rename and the
+    directory fsync all happen in that file's directory and the link still names the new
+    checkpoint. What is refused, before anything is written, with the path and the cause: a
+    path ending in ``/``, a directory, anything else that is not a regular file (a device,
+    a FIFO, a socket: renaming over one would replace it, see :func:`refuse_non_regular`),
+    a link loop, a missing or non-directory parent, a parent we cannot write to, and a file
+    the caller could not open for writing (``torch.save`` gets ``EACCES`` there).
     """
-    path = os.path.abspath(os.fspath(final))
+    raw = os.fspath(final)
+    if isinstance(raw, bytes):
+        raw = os.fsdecode(raw)
+    if raw.endswith(os.sep):
+        raise IsADirectoryError(errno.EISDIR, "checkpoint path ends in '/', which names a directory (torch.save "
+                                "refuses it too); name the file without it", raw)
+    path = os.path.realpath(raw)
     parent = os.path.dirname(path)
-    if os.path.isdir(path):
-        raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
     try:
-        st = os.stat(parent)  # not os.path.exists: it says "missing" for an unsearchable parent
+        st: os.stat_result | None = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        raise NotADirectoryError(errno.ENOTDIR, "checkpoint directory is not a directory", parent) from None
+    except PermissionError:
+        raise PermissionError(errno.EACCES, "checkpoint directory cannot be reached (permission denied)",
+                              parent) from None
+    if st is not None and stat.S_ISLNK(st.st_mode):  # realpath stops at a loop
+        raise OSError(errno.ELOOP, "checkpoint path is a symlink loop (too many levels of symbolic links)", raw)
+    try:
+        pst = os.stat(parent)  # not os.path.exists: it says "missing" for an unsearchable parent
     except FileNotFoundError:
         raise FileNotFoundError(errno.ENOENT, "checkpoint directory does not exist", parent) from None
     except PermissionError:
         raise PermissionError(errno.EACCES, "checkpoint directory cannot be reached (permission denied)",
                               parent) from None
-    if not stat.S_ISDIR(st.st_mode):
+    if not stat.S_ISDIR(pst.st_mode):
         raise NotADirectoryError(errno.ENOTDIR, "checkpoint directory is not a directory", parent)
+    if st is not None:
+        refuse_non_regular(path, st)
     if os.statvfs(parent).f_flag & os.ST_RDONLY:
         raise OSError(errno.EROFS, "checkpoint directory is on a read-only file system", parent)
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not _access(parent, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "checkpoint directory is not writable", parent)
+    if st is not None and not _access(path, os.W_OK):
+        # the directory lets us rename over it, but torch.save opens the file itself: never
+        # replace a file the caller could not have written
+        raise PermissionError(errno.EACCES, "checkpoint file exists and is not writable by this user (torch.save "
+                              "fails the same way); it is left as it is", path)
     return path
+
+
+def _access(path: str, mode: int) -> bool:
+    """``access(2)`` with the effective ids (what ``open`` checks; root passes the mode bits)."""
+    if os.access in os.supports_effective_ids:
+        return os.access(path, mode, effective_ids=True, follow_symlinks=False)
+    return os.access(path, mode)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"))
+
+
+def refuse_non_regular(path: str, st: os.stat_result) -> None:
+    """Raise unless ``st`` (of ``path``, not followed) is a regular file.
+
+    A checkpoint is written aside and renamed over its name; renaming over a device node
+    or a FIFO would replace it (``/dev/null`` would become a regular file every process
+    then writes into), so FastPersist refuses every path that is not a regular file.
+    ``torch.save`` writes *into* a character device or a FIFO; a caller who wants that
+    (a stream, no atomicity) uses ``torch.save``.
+    """
+    if stat.S_ISREG(st.st_mode):
+        return
+    kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "checkpoint path is a directory", path)
+    raise OSError(errno.EOPNOTSUPP, f"checkpoint path is {kind}, not a regular file: FastPersist replaces a "
+                  "checkpoint atomically by a rename, which would replace it, so it refuses (torch.save writes "
+                  "into a device or FIFO without atomicity; use it for that)", path)
+
+
+# ---------------------------------------------------------------- what a replaced file keeps
+
+ACL_XATTR = "system.posix_acl_access"
+_ACL_GROUP_OBJ, _ACL_MASK = 0x04, 0x10
+
+
+def adopt_attributes(fd: int, final: str) -> None:
+    """Give the finished file open as ``fd`` what the file it replaces at ``final`` has: its
+    mode, and where the caller may, its owner, group and ACL. Access is never widened: where
+    the group cannot be kept, the group's bits narrow to what others had; where the ACL
+    cannot be copied, the group's bits narrow to the ACL's owning-group entry. A new name
+    keeps what ``open`` gave the file (0666 less the umask, or the directory's default ACL),
+    as ``torch.save``'s file gets. Raises if ``final`` became something that is not a
+    regular file since the save began (:func:`refuse_non_regular`)."""
+    try:
+        st = os.lstat(final)
+    except FileNotFoundError:
+        return
+    refuse_non_regular(final, st)
+    cur = os.fstat(fd)
+    if (cur.st_uid, cur.st_gid) != (st.st_uid, st.st_gid):
+        for uid in (st.st_uid, -1):  # root keeps both; a member of the file's group keeps that
+            try:
+                os.fchown(fd, uid, st.st_gid)
+                break
+            except PermissionError:
+                continue
+        cur = os.fstat(fd)
+    mode = stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)  # as a write by another user clears them
+    if cur.st_gid != st.st_gid:  # other users in our group had the other bits, not the group's
+        mode &= ~0o070 | ((mode & 0o007) << 3)
+    acl = _xattr_of(final, ACL_XATTR)
+    if acl is None:
+        with contextlib.suppress(OSError):  # a default ACL of the directory gave it one: not the old file's
+            os.removexattr(fd, ACL_XATTR)
+        os.fchmod(fd, mode)
+        return
+    os.fchmod(fd, mode)
+    try:
+        os.setxattr(fd, ACL_XATTR, acl)  # sets the permission bits from the ACL too
+    except OSError:
+        group_obj = _acl_perm(acl, _ACL_GROUP_OBJ)
+        if group_obj is not None:
+            os.fchmod(fd, (mode & ~0o070) | ((mode & 0o070) & (group_obj << 3)))
+
+
+def _xattr_of(path: str, name: str) -> bytes | None:
+    try:
+        return os.getxattr(path, name, follow_symlinks=False)
+    except OSError:
+        return None
+
+
+def _acl_perm(acl: bytes, tag: int) -> int | None:
+    """The permission bits of the entry ``tag`` of a POSIX ACL xattr (version 2: a 4-byte
+    header, then 8-byte entries ``tag:u16 perm:u16 id:u32``)."""
+    for off in range(4, len(acl) - 7, 8):
+        t, perm = struct.unpack_from("<HH", acl, off)
+        if t == tag:
+            return perm & 0o7
+    return None
+
+
+def check_room(final: str, need: int, fd: int) -> None:
+    """Before writing ``need`` bytes into the temporary file ``fd`` of ``final``: raise
+    ``ENOSPC`` now, naming why, when its filesystem cannot hold them. An atomic replace
+    needs room for the new file beside the old one until the rename (``torch.save``,
+    truncating first, needs none); replaced checkpoints still being freed count as free."""
+    try:
+        vfs = os.fstatvfs(fd)
+        st = os.fstat(fd)
+    except OSError:
+        return
+    free = (vfs.f_bfree if os.geteuid() == 0 else vfs.f_bavail) * vfs.f_frsize
+    free += deferred_free.pending_bytes(st.st_dev)
+    if need - st.st_blocks * 512 > free:
+        raise no_room(final, need, free)
+
+
+def no_room(final: str, need: int, free: int | None = None) -> OSError:
+    """The ``ENOSPC`` of a save of ``need`` bytes to ``final``, saying what an atomic replace
+    needs where a checkpoint is there already."""
+    if free is None:
+        try:
+            vfs = os.statvfs(os.path.dirname(final))
+            free = (vfs.f_bfree if os.geteuid() == 0 else vfs.f_bavail) * vfs.f_frsize
+        except OSError:
+            free = 0
+    try:
+        old = os.stat(final).st_size
+    except OSError:
+        old = 0
+    if old:
+        why = (f"No space left on device: an atomic replace needs {need} bytes free beside the existing checkpoint "
+               f"({old} bytes, kept until the new one is complete); {free} are free")
+    else:
+        why = f"No space left on device: the checkpoint needs {need} bytes; {free} are free"
+    return OSError(errno.ENOSPC, why, final)
 
 
 # ---------------------------------------------------------------- pending-save placeholders
 
 PLACEHOLDER_XATTR = "user.fastpersist.pending"
+# What a placeholder holds: text, so that a placeholder its writer never replaced (a process
+# ended by os._exit or SIGKILL, where nothing of ours runs) is not an empty file that reads
+# like a truncated checkpoint. Placeholders of earlier versions are empty.
+PLACEHOLDER_TEXT = (b"FastPersist: a checkpoint is being saved under this name. A file still holding this text after "
+                    b"its writer ended is a save that never completed; `fastpersist clean` removes it.\n")
 
 
 def claim(final: str) -> int | None:
-    """Make a pending checkpoint's final name exist now, as a marked empty placeholder.
+    """Make a pending checkpoint's final name exist now, as a marked placeholder (a line of
+    text, :data:`PLACEHOLDER_TEXT`).
 
     Frameworks decide names by asking whether a file exists (Lightning's ``-v1`` counter),
     so a save still in flight must be visible. The placeholder carries an extended
@@ -333,11 +498,13 @@ def claim(final: str) -> int | None:
     and creates nothing, when the name exists or the filesystem has no user xattrs.
     """
     try:
-        fd = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o644)
+        # 0666 less the umask, as torch.save's open(): the checkpoint renamed over it keeps it
+        fd = os.open(final, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o666)
     except FileExistsError:
         return None
     try:  # held before it is marked: a clean-up never sees a marked placeholder nobody holds
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, PLACEHOLDER_TEXT)
         os.setxattr(fd, PLACEHOLDER_XATTR, f"{writer_tag()}-0".encode())
     except OSError:
         os.close(fd)
@@ -353,11 +520,28 @@ def settle(fd: int | None) -> None:
 
 
 def placeholder_owner(path: str) -> str | None:
-    """The writer tag of a placeholder made by :func:`claim`, or None for anything else."""
+    """The writer tag of a placeholder made by :func:`claim` (or an empty one of an earlier
+    version), or None for anything else."""
     try:
-        if os.path.islink(path) or os.path.getsize(path) != 0:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _placeholder_tag(fd)
+    finally:
+        os.close(fd)
+
+
+def _placeholder_tag(fd: int) -> str | None:
+    """The writer tag of the placeholder open as ``fd``: a regular file marked by
+    :func:`claim`, holding :data:`PLACEHOLDER_TEXT` or nothing; None for anything else."""
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size not in (0, len(PLACEHOLDER_TEXT)):
             return None
-        return os.getxattr(path, PLACEHOLDER_XATTR, follow_symlinks=False).decode(errors="replace")
+        if st.st_size and os.pread(fd, st.st_size, 0) != PLACEHOLDER_TEXT:
+            return None
+        return os.getxattr(fd, PLACEHOLDER_XATTR).decode(errors="replace")
     except OSError:
         return None
 
@@ -390,7 +574,7 @@ def _writer_host(entry: os.DirEntry) -> str | None:
     m = _TEMP_RE.match(entry.name)
     if m is not None:
         return m.group("host")
-    if entry.stat(follow_symlinks=False).st_size == 0:
+    if entry.stat(follow_symlinks=False).st_size in (0, len(PLACEHOLDER_TEXT)):
         owner = placeholder_owner(entry.path)
         if owner is not None:
             return owner.split("-", 1)[0]
@@ -424,8 +608,12 @@ def _remove_stale(directory: str) -> list[str]:
     removed = []
     for p, ino in _candidates(directory):
         try:
+            owner = None if _TEMP_RE.match(os.path.basename(p)) else placeholder_owner(p)
             if _remove_unheld(p, ino):
                 removed.append(p)
+                if owner is not None:  # a name the caller was told was being saved: say it was lost
+                    log.warning("fastpersist: the save of %s never completed (its writer, %s, ended before "
+                                "committing it); removed its placeholder", p, owner.rsplit("-", 1)[0])
         except OSError as e:
             log.warning("fastpersist: could not remove %s left by a crashed save: %s", p, e)
     return removed
@@ -487,10 +675,35 @@ REPLACED_PREFIX = ".fastpersist-replaced-"
 RETIRED_PREFIX = ".fastpersist-deleting-"
 
 
+def resolve_dir(final: str | os.PathLike) -> str:
+    """The checkpoint directory ``final`` names, absolute: a symlink (or a chain) is followed,
+    so its target is replaced and the link still names the new checkpoint, as for files
+    (:func:`check_target`). Refuses, naming the path, what exists there and is not a
+    directory: a checkpoint directory is never renamed over a user's file or device."""
+    path = os.path.realpath(os.fspath(final))
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return path
+    if stat.S_ISLNK(st.st_mode):
+        raise OSError(errno.ELOOP, "checkpoint directory is a symlink loop", os.fspath(final))
+    if not stat.S_ISDIR(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "a regular file")
+        raise NotADirectoryError(errno.ENOTDIR, f"checkpoint directory path exists and is {kind}, not a "
+                                 "directory; it is left as it is", path)
+    return path
+
+
 def publish_dir(staging: str, final: str) -> None:
     """Rename the complete, synced directory ``staging`` to ``final`` (replacing one there),
-    durably."""
-    parent = os.path.dirname(os.path.abspath(final))
+    durably. A symlink at ``final`` is written through (:func:`resolve_dir`): ``staging``
+    first moves beside the directory it names."""
+    final = resolve_dir(final)
+    parent = os.path.dirname(final)
+    if os.path.dirname(os.path.realpath(staging)) != parent:
+        moved = os.path.join(parent, os.path.basename(staging))
+        os.rename(staging, moved)  # same filesystem as the link's own directory, or EXDEV: a clear error
+        staging = moved
     fsync_dir(staging)
     replaced = None
     if os.path.lexists(final):

@@ -233,10 +233,12 @@ class CollectiveSave:
         header: tuple[bool, str, str] = (True, "", "")
         if rank == 0:
             try:
-                commit.check_target(final)
+                final = self.final = stats.path = commit.check_target(final)  # a symlink: the file it names
                 commit.clean_in_background(os.path.dirname(final))
                 temp = commit.TempFile(final, lambda p, _: open_engine(p, opts, create=True), named=True)
                 engine, tmp = temp.engine, temp.name
+                if plan is not None:
+                    commit.check_room(final, plan.file_size, temp.fileno())
                 if MIN_ALIGNMENT % engine.alignment:
                     raise CheckpointError(f"{final}: the filesystem needs {engine.alignment}-byte alignment; "
                                           f"collective saves support up to {MIN_ALIGNMENT}")

@@ -81,6 +81,7 @@ class LocalSave:
                     self.plan = build(obj, alignment, congruent=congruent)
                 else:
                     self.plan = build_safetensors(obj, alignment, metadata)
+                commit.check_room(self.final, self.plan.file_size, self.temp.fileno())
             except (OSError, MemoryError, KeyboardInterrupt):
                 raise
             except Exception as e:  # pickle raises PicklingError, TypeError, AttributeError...
@@ -117,6 +118,8 @@ class LocalSave:
                 self.publish()
         except BaseException as e:
             self.abort()
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise commit.no_room(self.final, self.plan.file_size) from e
             if isinstance(e, OSError) and getattr(e, "filename", None) in (self.temp.engine_path, self.temp.name):
                 raise rename_os_error(e, self.final) from e
             raise
