@@ -217,11 +217,44 @@ _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
 
 @atexit.register
 def _drain_at_exit() -> None:
+    """Make every pending save durable before the process ends (or say loudly which failed)."""
     for ckpt in list(_live):
         try:
             ckpt.close()
         except BaseException as e:  # noqa: BLE001 - at exit there is no caller left to raise to
-            log.error("fastpersist: a pending checkpoint failed at interpreter exit: %s", e)
+            log.error("fastpersist: a pending checkpoint failed at process exit: %s", e)
+
+
+_drain_registered_in: int | None = None  # the pid whose multiprocessing finalizers drain
+
+
+def _drain_on_every_exit() -> None:
+    """Also drain where a process ends without ``atexit``: every ``multiprocessing`` child
+    (fork, forkserver, spawn: ``Process._bootstrap`` runs its finalizers, then ``os._exit``),
+    so Lightning Fabric's ``ddp_fork``/``ddp_notebook`` workers and a save in any ``Process``
+    are not lost. Registered once per process, when it first queues work (a forked child
+    starts with an empty registry). Where nothing runs at all (``os._exit`` by hand,
+    SIGKILL) the unnamed temporary file vanishes with the process and the name keeps what
+    it held (docs/reliability.md)."""
+    global _drain_registered_in
+    pid = os.getpid()
+    if _drain_registered_in == pid:
+        return
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, _drain_at_exit, exitpriority=10)
+    _drain_registered_in = pid
+
+
+def _forget_parents_work() -> None:
+    """In a forked child: the parent's pending saves are the parent's. The child's copies of
+    its checkpointers start empty (no worker thread survives a fork, and a lock held by one
+    at the fork would never be let go), never writing, committing or waiting for them."""
+    for ckpt in list(_live):
+        ckpt._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_parents_work)
 
 
 class AsyncCheckpointer:
@@ -697,7 +730,28 @@ class AsyncCheckpointer:
                 other._reported = True
             h.result()  # raises, chained
 
+    def _forget_after_fork(self) -> None:
+        """See :func:`_forget_parents_work`. The parent's handles read as failed here (a
+        ``result()`` in the child raises at once, never blocks), reported already: nothing
+        of theirs is raised at the child's next call."""
+        parents = [h for h, _ in self._jobs] + list(self._saves) + list(self._save_jobs)
+        if self._current is not None:
+            parents.append(self._current)
+        self._cv = threading.Condition()
+        self._jobs.clear()
+        self._saves, self._finished, self._save_jobs = [], [], []
+        self._warming, self._arenas = [], []
+        self._current, self._thread, self._pool, self._huge_pool = None, None, None, None
+        self._draining = False
+        error = CheckpointError(f"this save was started by process {os.getppid()} before it forked; the forked "
+                                "child does not write it (the parent does)")
+        for h in parents:
+            if not h.done():
+                h._reported = True
+                h._finish(None, error)
+
     def _ensure_worker(self) -> None:
+        _drain_on_every_exit()
         if self._thread is None:
             self._thread = threading.Thread(target=self._worker, name="fastpersist-writer", daemon=True)
             self._thread.start()

@@ -140,6 +140,15 @@ _STORAGE_OPTION_KEYS = frozenset({"blocking"})
 _RUNTIME_ATTRS = ("_lock", "_ckpt", "_pending", "_committed", "_unlogged", "_hook", "_hook_finalizer",
                   "_torn_down", "save_call_seconds", "fence_seconds", "fence_count",
                   "fence_overlaps", "_collective", "_collective_next")
+_plugins: weakref.WeakSet = weakref.WeakSet()  # every plugin of this process, for the fork hook below
+
+
+def _forget_parents_saves() -> None:
+    for plugin in list(_plugins):
+        plugin._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_parents_saves)
 # What ranks other than 0 pass as the path of a collective save: only rank 0 names the file.
 _PEER_PATH = "fastpersist-peer-rank.ckpt"
 
@@ -225,8 +234,21 @@ class _FastPersistIOImpl:
         self.keep_local = bool(keep_local)
         self._init_runtime()
 
+    def _forget_after_fork(self) -> None:
+        """In a forked child (Fabric's ``ddp_fork``, a DataLoader worker): the parent's pending
+        saves and their placeholders are the parent's; the child neither waits for them nor
+        removes their names (the core forgets the saves themselves)."""
+        self._lock = threading.RLock()
+        for entries in self._pending.values():
+            for e in entries:
+                if e.placeholder is not None:
+                    fp_commit.settle(e.placeholder)  # our copy of the descriptor; the parent keeps its lock
+                    e.placeholder = None
+        self._pending = {}
+
     # ------------------------------------------------------------------ pickling (ddp_spawn)
     def _init_runtime(self) -> None:
+        _plugins.add(self)
         self._lock = threading.RLock()
         self._ckpt: Any = None  # fp_core.AsyncCheckpointer, created at the first async save
         self._pending: dict[str, list[_Pending]] = {}
