@@ -796,3 +796,22 @@ def test_importing_and_using_the_plugin_leaves_lightnings_logging_alone(tmp_path
     r = subprocess.run([sys.executable, "-c", LOGGING_PROBE, str(tmp_path)], capture_output=True, text=True,
                        timeout=300, env={**os.environ, "PYTHONPATH": REPO})
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- process exit
+
+
+@pytest.mark.parametrize("strategy", ["ddp_fork", "ddp_notebook"])
+def test_fabric_fork_workers_commit_their_last_save_before_they_exit(tmp_path, strategy):
+    """Fabric's fork launcher ends each worker with os._exit after multiprocessing's
+    finalizers (no atexit): the final step's save, pending then, must still be committed
+    (issue 38: last.ckpt was one step old)."""
+    steps = 5
+    helper = os.path.join(os.path.dirname(os.path.dirname(__file__)), "helpers", "fabric_fork.py")
+    r = subprocess.run([sys.executable, helper, str(tmp_path), str(steps), strategy],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert torch.load(tmp_path / "last.ckpt")["step"] == steps
+    for step in range(1, steps + 1):
+        assert torch.load(tmp_path / f"step-{step}.ckpt")["step"] == step
+        fp_core.verify(str(tmp_path / f"step-{step}.ckpt"))
