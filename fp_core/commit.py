@@ -334,6 +334,8 @@ def check_target(final: str | os.PathLike) -> str:
         raise NotADirectoryError(errno.ENOTDIR, "checkpoint directory is not a directory", parent)
     if st is not None:
         refuse_non_regular(path, st)
+        if st.st_size in (0, len(PLACEHOLDER_TEXT)):
+            _report_lost(path)
     if os.statvfs(parent).f_flag & os.ST_RDONLY:
         raise OSError(errno.EROFS, "checkpoint directory is on a read-only file system", parent)
     if not _access(parent, os.W_OK | os.X_OK):
@@ -344,6 +346,16 @@ def check_target(final: str | os.PathLike) -> str:
         raise PermissionError(errno.EACCES, "checkpoint file exists and is not writable by this user (torch.save "
                               "fails the same way); it is left as it is", path)
     return path
+
+
+def _report_lost(path: str) -> None:
+    """A save about to replace a placeholder nobody holds says that the save which made it
+    never completed (its process ended without running anything of ours: ``os._exit``,
+    SIGKILL), so the loss is not silent."""
+    owner = placeholder_owner(path)
+    if owner is not None and not _held(path):
+        log.warning("fastpersist: the earlier save of %s never completed (its writer, %s, ended before committing "
+                    "it); this save replaces its placeholder", path, owner.rsplit("-", 1)[0])
 
 
 def _access(path: str, mode: int) -> bool:

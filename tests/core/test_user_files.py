@@ -462,3 +462,14 @@ def test_after_os_exit_no_empty_file_is_left_and_clean_says_what_was_lost(disk_d
     with caplog.at_level(logging.WARNING, logger="fastpersist"):
         assert commit.clean(disk_dir) == [p]
     assert any("never completed" in r.getMessage() and p in r.getMessage() for r in caplog.records)
+
+
+def test_the_next_save_over_a_lost_placeholder_says_what_was_lost(disk_dir, caplog):
+    _exit_scenario("os-exit", disk_dir)
+    p = os.path.join(disk_dir, "ckpt.pt")
+    if not commit.is_placeholder(p):
+        pytest.skip("the save won the race with os._exit: nothing was lost")
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        fp_core.save(sd(9.0), p)
+    assert any("never completed" in r.getMessage() and p in r.getMessage() for r in caplog.records)
+    assert torch.load(p)["step"] == 9
