@@ -407,6 +407,12 @@ def adopt_attributes(fd: int, final: str) -> None:
     except FileNotFoundError:
         return
     refuse_non_regular(final, st)
+    _copy_attributes(fd, final, st)
+
+
+def _copy_attributes(fd: int, final: str, st: os.stat_result) -> None:
+    """What :func:`adopt_attributes` gives the file (or directory) open as ``fd`` from
+    ``final``, whose ``lstat`` is ``st``."""
     cur = os.fstat(fd)
     if (cur.st_uid, cur.st_gid) != (st.st_uid, st.st_gid):
         for uid in (st.st_uid, -1):  # root keeps both; a member of the file's group keeps that
@@ -416,7 +422,8 @@ def adopt_attributes(fd: int, final: str) -> None:
             except PermissionError:
                 continue
         cur = os.fstat(fd)
-    mode = stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID)  # as a write by another user clears them
+    # as a write by another user clears them; a directory's setgid bit (new files take its group) stays
+    mode = stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | (0 if stat.S_ISDIR(st.st_mode) else stat.S_ISGID))
     if cur.st_gid != st.st_gid:  # other users in our group had the other bits, not the group's
         mode &= ~0o070 | ((mode & 0o007) << 3)
     acl = _xattr_of(final, ACL_XATTR)
@@ -716,6 +723,12 @@ def publish_dir(staging: str, final: str) -> None:
         moved = os.path.join(parent, os.path.basename(staging))
         os.rename(staging, moved)  # same filesystem as the link's own directory, or EXDEV: a clear error
         staging = moved
+    if os.path.isdir(final):  # the directory it replaces keeps its mode, owner, group and ACL
+        fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            _copy_attributes(fd, final, os.lstat(final))
+        finally:
+            os.close(fd)
     fsync_dir(staging)
     replaced = None
     if os.path.lexists(final):

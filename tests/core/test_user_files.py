@@ -188,6 +188,22 @@ def test_a_checkpoint_directory_named_through_a_symlink_is_replaced_where_it_poi
     assert sorted(os.listdir(runs)) == ["checkpoint-8"]
 
 
+@pytest.mark.parametrize("mode", [0o700, 0o750, 0o2770])
+def test_a_replaced_checkpoint_directory_keeps_its_mode_and_owner(disk_dir, mode):
+    final = os.path.join(disk_dir, "checkpoint-8")
+    os.makedirs(final)
+    os.chmod(final, mode)
+    if ROOT:
+        os.chown(final, 1234, 4321)
+    staging = os.path.join(disk_dir, ".staging")
+    os.makedirs(staging)
+    commit.publish_dir(staging, final)
+    st = os.stat(final)
+    assert stat.S_IMODE(st.st_mode) == mode and not os.path.exists(staging)
+    if ROOT:
+        assert (st.st_uid, st.st_gid) == (1234, 4321)
+
+
 def test_a_checkpoint_directory_never_replaces_a_file(disk_dir):
     victim = os.path.join(disk_dir, "checkpoint-3")
     with open(victim, "w") as f:
