@@ -238,7 +238,7 @@ class CollectiveSave:
                 temp = commit.TempFile(final, lambda p, _: open_engine(p, opts, create=True), named=True)
                 engine, tmp = temp.engine, temp.name
                 if plan is not None:
-                    commit.check_room(final, plan.file_size, temp.fileno())
+                    commit.check_room(final, self._tail_plan().file_size, temp.fileno())
                 if MIN_ALIGNMENT % engine.alignment:
                     raise CheckpointError(f"{final}: the filesystem needs {engine.alignment}-byte alignment; "
                                           f"collective saves support up to {MIN_ALIGNMENT}")
@@ -268,12 +268,9 @@ class CollectiveSave:
             raise CollectiveSaveError(f"collective save of {final} failed on rank 0: {err}")
 
         try:
-            # 2. agree on what to write, choose the writers. Rank 0's file is the one written:
-            #    the others adopt its skeleton (pickle included) and offsets, write their own
-            #    copies of the storages that match rank 0's (sampled), and rank 0's bytes for
-            #    the few that differ (sent along with the skeleton).
+            # 2. agree on what to write (_agree), choose the writers.
             if plan is not None:
-                status = (True, "", _storage_table(plan), socket.gethostname())
+                status = (True, "", self._table(), socket.gethostname())
             else:
                 status = (False, f"{type(self.plan_error).__name__}: {self.plan_error}", {}, socket.gethostname())
             statuses = _all_gather(status, cg)
@@ -283,49 +280,27 @@ class CollectiveSave:
                         f"cannot serialise the checkpoint for {final}: {status[1]}") from self.plan_error
                 raise CollectiveSaveError(f"collective save of {final} failed: {'; '.join(_failures(statuses))}")
             assert plan is not None
-            writers = select_writers(self.topology, world, [s[3] for s in statuses])
-            reason, differing = _share_plan([s[2] for s in statuses])
-            if reason is not None:
-                if rank == 0:
-                    log.warning("fastpersist: %s for %s; rank 0 writes the whole file alone. Use sharded=True "
-                                "when each rank holds its own state.", reason, final)
-                writers = [0]
-            elif world > 1:
-                layout = None
-                if rank == 0:
-                    by_name = {plan.manifest.records[s.record].name: s for s in plan.storages}
-                    layout = {
-                        "segments": plan.skeleton.segments(), "file_size": plan.file_size,
-                        "manifest_header_offset": plan.manifest_header_offset,
-                        "offsets": {n: st.offset for n, st in by_name.items()},
-                        "differing": {n: by_name[n].data.cpu().numpy().tobytes() for n in differing},
-                    }
-                layout = _broadcast(layout, cg)
-                if rank != 0:
-                    _adopt_rank0_layout(plan, layout)
-                stats.extra["differing_storages"] = len(differing)
+            writers = self._agree(statuses, rank, world)
 
             # 3. each writer writes its share of the body into the shared temp file.
-            ranges = split_range(0, plan.tail_start, len(writers), plan.alignment)
             rs = RangeStats()
-            pieces: list = []
             status2: tuple[bool, str, list] = (True, "", [])
+
+            def shared_engine() -> Any:
+                nonlocal engine
+                if engine is None:
+                    engine = open_engine(tmp, opts, create=False)
+                return engine
+
             try:
-                if rank in writers:
-                    lo, hi = ranges[writers.index(rank)]
-                    if engine is None:
-                        engine = open_engine(tmp, opts, create=False)
-                    if hi > lo:
-                        pieces = [(plan.manifest.records[pc.record].name, pc.start, pc.length, pc.crc)
-                                  for pc in write_range(engine, plan, lo, hi, opts, rs)]
-                status2 = (True, "", pieces)
+                status2 = (True, "", self._write_share(shared_engine, tmp, writers, rank, rs))
             except Exception as e:  # noqa: BLE001
                 status2 = (False, f"{type(e).__name__}: {e}", [])
             if rank != 0 and on_body_written is not None:
                 on_body_written()  # rank 0 still reads the tail's storage bytes below
-            if engine is not None and rank != 0 and status2[0]:
+            if rank != 0 and status2[0]:
                 try:
-                    engine.sync()
+                    self._sync_share(engine)
                 except OSError as e:
                     status2 = (False, f"{type(e).__name__}: {e}", [])
             statuses2 = _all_gather(status2, cg)
@@ -336,10 +311,10 @@ class CollectiveSave:
             outcome = (True, "")
             if rank == 0:
                 try:
-                    index = {r.name: i for i, r in enumerate(plan.manifest.records)}
+                    index = {r.name: i for i, r in enumerate(self._tail_plan().manifest.records)}
                     all_pieces = [PieceCrc(index[name], start, length, crc)
                                   for st in statuses2 for name, start, length, crc in st[2]]
-                    write_tail(engine, plan, all_pieces, opts, rs, on_body_written)
+                    self._write_tail(engine, tmp, all_pieces, rs, on_body_written)
                     engine.sync()
                     engine.close()
                     temp.publish()
@@ -369,6 +344,75 @@ class CollectiveSave:
                            zero_copy_bytes=rs.zero_copy_bytes)
         stats.seconds = time.perf_counter() - self.t0
         return stats
+
+    # -- the steps a kind of collective save defines (run() is the protocol around them) --
+
+    def _table(self) -> Any:
+        """What this rank tells the others about its plan (all-gathered before writing)."""
+        assert self.plan is not None
+        return _storage_table(self.plan)
+
+    def _agree(self, statuses: list[Any], rank: int, world: int) -> list[int]:
+        """From every rank's :meth:`_table` (``statuses[r][2]``) and host
+        (``statuses[r][3]``): the ranks that write. Rank 0's file is the one written: the
+        others adopt its skeleton (pickle included) and offsets, write their own copies of
+        the storages that match rank 0's (sampled), and rank 0's bytes for the few that
+        differ (sent along with the skeleton)."""
+        plan, cg = self.plan, self.cg
+        assert plan is not None
+        writers = select_writers(self.topology, world, [s[3] for s in statuses])
+        reason, differing = _share_plan([s[2] for s in statuses])
+        if reason is not None:
+            if rank == 0:
+                log.warning("fastpersist: %s for %s; rank 0 writes the whole file alone. Use sharded=True "
+                            "when each rank holds its own state.", reason, self.final)
+            return [0]
+        if world > 1:
+            layout = None
+            if rank == 0:
+                by_name = {plan.manifest.records[s.record].name: s for s in plan.storages}
+                layout = {
+                    "segments": plan.skeleton.segments(), "file_size": plan.file_size,
+                    "manifest_header_offset": plan.manifest_header_offset,
+                    "offsets": {n: st.offset for n, st in by_name.items()},
+                    "differing": {n: by_name[n].data.cpu().numpy().tobytes() for n in differing},
+                }
+            layout = _broadcast(layout, cg)
+            if rank != 0:
+                _adopt_rank0_layout(plan, layout)
+            self.stats.extra["differing_storages"] = len(differing)
+        return writers
+
+    def _write_share(self, engine: Any, tmp: str, writers: list[int], rank: int,
+                     rs: RangeStats) -> list[tuple[str, int, int, int]]:
+        """Write this rank's share of the body into the temp file ``tmp`` (``engine()``
+        opens it once); return the CRC-32C of every storage piece written as
+        ``(record name, start in the storage, length, crc)``."""
+        plan = self.plan
+        assert plan is not None
+        if rank not in writers:
+            return []
+        lo, hi = split_range(0, plan.tail_start, len(writers), plan.alignment)[writers.index(rank)]
+        if hi <= lo:
+            return []
+        return [(plan.manifest.records[pc.record].name, pc.start, pc.length, pc.crc)
+                for pc in write_range(engine(), plan, lo, hi, self.opts, rs)]
+
+    def _sync_share(self, engine: Any) -> None:
+        """Make this rank's share durable (every rank but 0, which syncs at the commit)."""
+        if engine is not None:
+            engine.sync()
+
+    def _tail_plan(self) -> FilePlan:
+        """The plan whose manifest the pieces' CRCs fold into."""
+        assert self.plan is not None
+        return self.plan
+
+    def _write_tail(self, engine: Any, tmp: str, pieces: list[PieceCrc], rs: RangeStats,
+                    on_body_written: Any) -> None:
+        """Rank 0, once every share is durable: the manifest and the tail."""
+        assert self.plan is not None
+        write_tail(engine, self.plan, pieces, self.opts, rs, on_body_written)
 
 
 _DECLINED = "<declined by rank 0>"
