@@ -392,10 +392,10 @@ def check_lightning_dir(d: str) -> dict:
         if n.startswith(".") or not n.endswith(".ckpt"):
             continue
         p = os.path.join(d, n)
-        if os.path.getsize(p) == 0:
+        if fp_core.commit.is_placeholder(p):
             empty.append(n)  # the plugin's visible_pending placeholder of a save in flight
             if n == "last.ckpt":
-                problems.append("last.ckpt is an empty placeholder")
+                problems.append("last.ckpt is a placeholder of a save that never completed")
             continue
         try:
             fp_core.verify(p)
