@@ -487,7 +487,7 @@ def no_room(final: str, need: int, free: int | None = None) -> OSError:
         old = os.stat(final).st_size
     except OSError:
         old = 0
-    if old:
+    if old and need <= free + old:  # torch.save, truncating first, would have fit
         why = (f"No space left on device: an atomic replace needs {need} bytes free beside the existing checkpoint "
                f"({old} bytes, kept until the new one is complete); {free} are free")
     else:
