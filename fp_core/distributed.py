@@ -233,12 +233,12 @@ class CollectiveSave:
         header: tuple[bool, str, str] = (True, "", "")
         if rank == 0:
             try:
-                final = self.final = stats.path = commit.check_target(final)  # a symlink: the file it names
-                commit.clean_in_background(os.path.dirname(final))
-                temp = commit.TempFile(final, lambda p, _: open_engine(p, opts, create=True), named=True)
+                target = commit.check_target(final)  # a symlink: the file it names
+                commit.clean_in_background(os.path.dirname(target))
+                temp = commit.TempFile(target, lambda p, _: open_engine(p, opts, create=True), named=True)
                 engine, tmp = temp.engine, temp.name
                 if plan is not None:
-                    commit.check_room(final, self._tail_plan().file_size, temp.fileno())
+                    commit.check_room(target, self._tail_plan().file_size, temp.fileno())
                 if MIN_ALIGNMENT % engine.alignment:
                     raise CheckpointError(f"{final}: the filesystem needs {engine.alignment}-byte alignment; "
                                           f"collective saves support up to {MIN_ALIGNMENT}")
@@ -464,7 +464,7 @@ def save_sharded(obj: Any, path: str | os.PathLike, group: Any = None, *, option
     # Every file is durable under its temporary name. Publish, keeping each rank's previous
     # file aside until every rank has published: a rank whose rename or directory fsync
     # fails makes every rank put its previous file back (or remove the new one).
-    final = prepared.final
+    final = prepared.target  # the file a symlink names: what is kept aside and put back
     new_inode = os.fstat(prepared.temp.fileno()).st_ino
     previous, held, aside = None, None, None
     status, own_error = (True, ""), None

@@ -54,8 +54,11 @@ class LocalSave:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, not {format!r}")
         self.options = options
-        self.final = commit.check_target(os.fspath(path))
-        commit.clean_in_background(os.path.dirname(self.final))  # leftovers of crashed saves, once
+        # final: the name the caller gave (what pending saves and on_commit are known by);
+        # target: the file written, every symlink resolved (commit.check_target)
+        self.final = os.path.abspath(os.fspath(path))
+        self.target = commit.check_target(os.fspath(path))
+        commit.clean_in_background(os.path.dirname(self.target))  # leftovers of crashed saves, once
         self.stats = SaveStats(path=self.final)
         self._mode = 0o666 if mode is None else mode
         try:
@@ -81,7 +84,7 @@ class LocalSave:
                     self.plan = build(obj, alignment, congruent=congruent)
                 else:
                     self.plan = build_safetensors(obj, alignment, metadata)
-                commit.check_room(self.final, self.plan.file_size, self.temp.fileno())
+                commit.check_room(self.target, self.plan.file_size, self.temp.fileno())
             except (OSError, MemoryError, KeyboardInterrupt):
                 raise
             except Exception as e:  # pickle raises PicklingError, TypeError, AttributeError...
@@ -119,7 +122,7 @@ class LocalSave:
         except BaseException as e:
             self.abort()
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-                raise commit.no_room(self.final, self.plan.file_size) from e
+                raise commit.no_room(self.target, self.plan.file_size) from e
             if isinstance(e, OSError) and getattr(e, "filename", None) in (self.temp.engine_path, self.temp.name):
                 raise rename_os_error(e, self.final) from e
             raise
@@ -162,7 +165,7 @@ class LocalSave:
 
     def _open_temp(self) -> None:
         options, mode = self.options, self._mode
-        self.temp = commit.TempFile(self.final, lambda p, tmpfile: open_engine(
+        self.temp = commit.TempFile(self.target, lambda p, tmpfile: open_engine(
             p, options, create=True, tmpfile=tmpfile, mode=mode))
         self.engine = self.temp.engine
 

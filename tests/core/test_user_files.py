@@ -489,3 +489,17 @@ def test_the_next_save_over_a_lost_placeholder_says_what_was_lost(disk_dir, capl
         fp_core.save(sd(9.0), p)
     assert any("never completed" in r.getMessage() and p in r.getMessage() for r in caplog.records)
     assert torch.load(p)["step"] == 9
+
+
+def test_a_save_through_a_link_is_pending_and_committed_under_the_name_it_was_given(disk_dir):
+    target = os.path.join(disk_dir, "step-1.ckpt")
+    link = os.path.join(disk_dir, "last.ckpt")
+    os.symlink("step-1.ckpt", link)
+    committed = []
+    with fp_core.AsyncCheckpointer() as ckpt:
+        h = ckpt.save(sd(1.0, 4 << 20), link, on_commit=lambda p, st: committed.append((p, st.path)))
+        assert ckpt.pending(link) or h.done()
+        ckpt.wait_for(link)
+        assert h.done() and not ckpt.pending(link)
+    assert committed == [(link, link)] and os.path.islink(link)
+    assert torch.equal(torch.load(target)["w"], sd(1.0, 4 << 20)["w"])
