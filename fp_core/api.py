@@ -33,7 +33,7 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
             metadata: dict[str, str] | None = None, group: Any = None, topology: Any = "replica",
             timeout_s: float | None = None, congruent: bool = False, storage_options: dict | None = None,
             keep_local: bool = False, extra_files: dict[str, bytes] | None = None,
-            early_write: bool = False) -> SaveJob:
+            early_write: bool = False, layout: str | None = None) -> SaveJob:
     """Prepare the save of ``obj`` to ``path`` (pickled now: its structure is fixed); the
     returned job writes and commits it when run.
 
@@ -44,10 +44,31 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
     (:mod:`fp_core.early_write`).
     A state holding ``DTensor`` s (FSDP2, tensor parallel) is a sharded checkpoint: ``path``
     is a directory every rank of ``group`` (default: all) writes through DCP
-    (:mod:`fp_core.dcp_save`), with ``extra_files`` (``{name: bytes}``) beside its shards.
+    (:mod:`fp_core.dcp_save`), with ``extra_files`` (``{name: bytes}``) beside its shards;
+    with ``layout="file"``, ``path`` is one ``torch.save`` file of the full state that every
+    rank writes its own shards into (:mod:`fp_core.sharded_file`).
     """
     options = options or EngineOptions()
     is_remote, p = paths.split(path)
+    if layout not in (None, "dcp", "file"):
+        raise ValueError(f"layout must be 'dcp' or 'file', not {layout!r}")
+    if layout == "file" and is_sharded(obj):
+        from .distributed import DEFAULT_TIMEOUT_S
+        from .sharded import has_sharded_tensor
+        from .sharded_file import ShardedFileSave
+
+        if is_remote:
+            raise ValueError(f"layout=\"file\" saves to a remote URL ({p}) are not supported: save to a shared "
+                             "local path, then upload it")
+        if format != "torch" or extra_files:
+            raise ValueError("layout=\"file\" writes one torch.save file: format='torch', no extra_files")
+        if has_sharded_tensor(obj):
+            raise ValueError(f"{p}: layout=\"file\" takes DTensor state; ShardedTensor (FSDP1) state is saved "
+                             "with layout=\"dcp\"")
+        return ShardedFileSave(obj, p, group, options=options,
+                               timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+    if layout == "dcp" and not is_sharded(obj):
+        raise ValueError(f"{p}: layout=\"dcp\" is for sharded (DTensor) state; this state holds none")
     if is_sharded(obj):
         from .dcp_save import DcpSave
 
@@ -82,7 +103,7 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
 def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: dict[str, str] | None = None,
          group: Any = None, topology: Any = "replica", sharded: bool = False, timeout_s: float | None = None,
          storage_options: dict | None = None, keep_local: bool = False,
-         extra_files: dict[str, bytes] | None = None, **options: Any) -> SaveStats:
+         extra_files: dict[str, bytes] | None = None, layout: str | None = None, **options: Any) -> SaveStats:
     """Write ``obj`` to ``path`` fast, atomically and durably; return the save's stats.
 
     ``format="torch"`` (default) writes a standard torch.save zip: ``torch.load(path)``
@@ -109,7 +130,11 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     Sharded state (``DTensor`` s: FSDP2, tensor parallel; every rank calls this): ``path``
     is a checkpoint directory written through ``torch.distributed.checkpoint`` on the
     native engine, atomically, that stock ``dcp.load`` reads (see :mod:`fp_core.dcp`);
-    ``extra_files`` (``{name: bytes}``) are written into it, checksummed.
+    ``extra_files`` (``{name: bytes}``) are written into it, checksummed. ``layout="file"``
+    instead: ``path`` is one ``torch.save`` file of the full state (each DTensor a plain
+    tensor of its global shape, the keys unchanged) that every rank writes its own
+    ``Shard(0)`` rows into, with no gather; ``Replicate()`` and plain tensors are split
+    among their holders. Other placements are refused (see :mod:`fp_core.sharded_file`).
     """
     opts, rest = EngineOptions.pick(dict(options))
     if rest:
@@ -126,7 +151,7 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     with gc_paused():
         job = prepare(obj, path, opts, format=format, metadata=metadata, group=group, topology=topology,
                       timeout_s=timeout_s, storage_options=storage_options, keep_local=keep_local,
-                      extra_files=extra_files, early_write=True)
+                      extra_files=extra_files, early_write=True, layout=layout)
         plan = getattr(job, "plan", None)
         if plan is not None and plan.file_size <= GC_PAUSED_SAVE_BYTES:
             # Written within the pause too, and dropped before it ends: the plan's objects

@@ -203,7 +203,7 @@ class CollectiveSave:
         self.plan: FilePlan | None = None
         self.plan_error: BaseException | None = None
         try:
-            self.plan = build(obj, MIN_ALIGNMENT)
+            self.plan = self._build(obj)
         except Exception as e:  # noqa: BLE001 - reported collectively in run()
             self.plan_error = e
         self.stats.serialize_seconds = time.perf_counter() - self.t0
@@ -346,6 +346,10 @@ class CollectiveSave:
         return stats
 
     # -- the steps a kind of collective save defines (run() is the protocol around them) --
+
+    def _build(self, obj: Any) -> FilePlan:
+        """This rank's plan of ``obj`` (on the caller's thread)."""
+        return build(obj, MIN_ALIGNMENT)
 
     def _table(self) -> Any:
         """What this rank tells the others about its plan (all-gathered before writing)."""

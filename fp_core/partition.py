@@ -27,6 +27,46 @@ def split_range(start: int, end: int, writers: int, alignment: int) -> list[tupl
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+def split_extents(extents: Sequence[tuple[int, int]], parts: int,
+                  alignment: int) -> list[list[tuple[int, int]]]:
+    """The bytes of ``extents`` (sorted, disjoint ``(offset, length)`` stretches of a file)
+    cut into ``parts`` shares of near-equal size, in file order, as ``(offset, length)``
+    lists.
+
+    As :func:`split_range` over their concatenation: each cut is the exact share boundary,
+    moved to the nearest block boundary of the file inside the extent it falls in, so
+    that neighbouring shares meet in few blocks (a block two writers share cannot be
+    written with O_DIRECT by either).
+    """
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    total = sum(n for _, n in extents)
+    cuts: list[int] = []
+    j, before = 0, 0  # the extent a cut falls in, the bytes of the extents before it
+    for i in range(1, parts):
+        target = round(i * total / parts)
+        while j < len(extents) - 1 and before + extents[j][1] < target:
+            before += extents[j][1]
+            j += 1
+        if not extents:
+            cuts.append(0)
+            continue
+        off, n = extents[j]
+        pos = round((off + min(n, max(0, target - before))) / alignment) * alignment
+        cuts.append(min(max(pos, off), off + n))
+    shares: list[list[tuple[int, int]]] = []
+    bounds = [None, *cuts, None]
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        share = []
+        for off, n in extents:
+            a = off if lo is None else max(off, lo)
+            b = off + n if hi is None else min(off + n, hi)
+            if b > a:
+                share.append((a, b - a))
+        shares.append(share)
+    return shares
+
+
 def select_writers(topology: str | int | Sequence[int], world: int, hosts: Sequence[str]) -> list[int]:
     """Which ranks (of ``world``, whose hostnames are ``hosts``) write.
 

@@ -49,6 +49,9 @@ class StorageExtent:
     # CUDA event recorded on the caller's stream at save time (writer.mark_ready): device
     # copies made later wait for it.
     ready: Any = None
+    # Where ``offset`` lies inside the record's storage: a piece of a storage (a rank's
+    # rows of a sharded tensor, its share of a replicated one) reports its CRCs at that place.
+    record_start: int = 0
     # Whether ``_source`` lives in CPU memory, found once: the writer asks per storage
     # several times a save, and a storage's ``device`` builds a new object every time.
     _source_on_cpu: bool | None = field(default=None, repr=False, compare=False)
@@ -139,23 +142,17 @@ def _offset(s: StorageExtent) -> int:
     return s.offset
 
 
-def tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, str]]:
-    """Map storage identity -> (first tensor path, dtype) by walking containers.
-
-    Only used to name records in the manifest, so that verify can say *which tensor* is
-    damaged; objects it cannot walk just leave their records unnamed.
-    """
-    names: dict[int, tuple[str, str]] = {}
+def leaves(obj: Any, is_leaf: Any, max_items: int = 1_000_000) -> list[tuple[str, Any]]:
+    """(path, object) of every object ``is_leaf`` takes in ``obj``'s dicts, lists and
+    tuples (not looked into), in order; paths as ``model.layers[0].weight``. Containers
+    met twice are walked once, and at most ``max_items`` of them."""
+    out: list[tuple[str, Any]] = []
     stack: list[tuple[str, Any]] = [("", obj)]
     seen: set[int] = set()
     while stack and len(seen) < max_items:
         path, o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            try:
-                key = o.untyped_storage()._cdata
-            except (RuntimeError, NotImplementedError):
-                continue
-            names.setdefault(key, (path or "<root>", str(o.dtype).removeprefix("torch.")))
+        if is_leaf(o):
+            out.append((path or "<root>", o))
             continue
         if id(o) in seen:
             continue
@@ -167,6 +164,26 @@ def tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, s
         else:
             continue
         stack.extend(reversed(items))
+    return out
+
+
+def _is_tensor(o: Any) -> bool:
+    return isinstance(o, torch.Tensor)
+
+
+def tensor_names(obj: Any, max_items: int = 1_000_000) -> dict[int, tuple[str, str]]:
+    """Map storage identity -> (first tensor path, dtype) by walking containers.
+
+    Only used to name records in the manifest, so that verify can say *which tensor* is
+    damaged; objects it cannot walk just leave their records unnamed.
+    """
+    names: dict[int, tuple[str, str]] = {}
+    for path, o in leaves(obj, _is_tensor, max_items):
+        try:
+            key = o.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            continue
+        names.setdefault(key, (path, str(o.dtype).removeprefix("torch.")))
     return names
 
 

@@ -374,7 +374,8 @@ def _write_rows(engine: _native.Engine, rows: list[tuple], lo: int, hi: int, sta
     t0 = time.perf_counter()
     crcs, native_stats = engine.write([r[:4] for r in rows], lo, hi, checksum=True, zero_copy=True)
     stats.add(native_stats, time.perf_counter() - t0)
-    return [PieceCrc(r[4].record, r[5], r[2], crc) for r, crc in zip(rows, crcs) if r[4] is not None]
+    return [PieceCrc(r[4].record, r[4].record_start + r[5], r[2], crc) for r, crc in zip(rows, crcs)
+            if r[4] is not None]
 
 
 def _extents(plan: FilePlan, storages: list[StorageExtent], lo: int, hi: int, congruence: int,

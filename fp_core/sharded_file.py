@@ -1,0 +1,383 @@
+"""One ``torch.save`` file written by every rank of a sharded state at once (``layout="file"``).
+
+A state holding DTensors (FSDP2's ``Shard(0)``, HSDP's ``Replicate()`` x ``Shard(0)``) is
+saved as the file ``torch.save`` would write for its *full* state dict (what
+``get_state_dict(..., options=StateDictOptions(full_state_dict=True))`` returns): every
+DTensor a plain tensor of its global shape, under the same keys. No rank gathers anything:
+
+- The layout comes from metadata alone. Each DTensor is replaced by a plain CPU tensor of
+  its global shape and dtype over a read-only anonymous mapping (address space, no
+  memory), and that state's skeleton is captured as every save's is (``skeleton.py``,
+  ``plan.py``), identical on every rank, which the ranks check by hash.
+- A ``Shard(0)`` local shard of a row-major tensor is one contiguous byte range of the full
+  tensor's storage: its owner writes it there, from its own memory. Bytes held by several
+  ranks (a tensor replicated over a mesh dimension, plain tensors, step counters) are split
+  among their holders, byte-balanced (:func:`partition.split_extents`); a replicated tensor
+  whose sampled bytes differ between its holders is written by the first of them.
+- Each byte of the file has one writer. A block whose bytes all have the same writer is
+  written with the native engine (O_DIRECT); the few blocks where two writers meet (a
+  shard's first and last rows, a record's end before the next header) are written with
+  plain ``pwrite`` through the page cache, each writer only its own bytes.
+- The commit is the collective one (:class:`distributed.CollectiveSave`, whose steps this
+  class defines): rank 0 makes the temp file, every rank writes and syncs, the per-piece
+  CRC-32Cs fold into each storage's checksum on rank 0, which writes the tail and publishes;
+  any rank's failure fails the save on every rank.
+
+Placements other than ``Shard(0)`` and ``Replicate()`` (``Shard(1)``, ``_StridedShard``,
+``Partial``) are refused before anything is created, naming the tensor.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import mmap
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave, CollectiveSaveError, _sample_crc
+from .engine import EngineOptions
+from .local import MIN_ALIGNMENT
+from .partition import split_extents
+from .plan import FilePlan, StorageExtent, align_down, align_up, from_skeleton, leaves, tensor_names
+from .sharded import dtensor_type, map_containers
+from .skeleton import capture
+from .writer import PieceCrc, RangeStats, combine_piece_crcs, finish_tail, write_range
+
+
+class UnsupportedPlacementError(ValueError):
+    """A DTensor whose placement cannot be written into one file by its owners."""
+
+
+@dataclass
+class _Held:
+    """Bytes of one storage record this rank holds: ``[start, start + length)`` of the
+    record, at ``offset`` in the file, from ``source`` (a flat uint8 tensor of exactly
+    them); ``holders`` are the coordination-group ranks holding the same bytes, in order,
+    this rank being ``holders[index]``."""
+
+    record: int
+    start: int
+    offset: int
+    length: int
+    source: torch.Tensor
+    holders: tuple[int, ...]
+    index: int
+
+
+def _walk_dtensors(obj: Any, kind: type) -> list[tuple[str, Any]]:
+    """(path, DTensor) of every DTensor in ``obj``'s dicts, lists and tuples."""
+    return leaves(obj, lambda o: isinstance(o, kind))
+
+
+def check_placements(obj: Any) -> None:
+    """Refuse a state any of whose DTensors is placed other than ``Shard(0)`` or
+    ``Replicate()`` on each mesh dimension, naming the first such tensor."""
+    kind = dtensor_type()
+    if kind is None:
+        return
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for path, dt in _walk_dtensors(obj, kind):
+        for p in dt.placements:
+            ok = isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, _StridedShard)
+                                              and p.dim == 0 and dt.ndim > 0)
+            if not ok:
+                raise UnsupportedPlacementError(
+                    f"{path}: a DTensor placed {p!r} (placements {tuple(dt.placements)}) cannot be written into one "
+                    "file by its ranks: layout=\"file\" takes Shard(0) and Replicate() only; save this state with "
+                    "layout=\"dcp\"")
+
+
+class _Placeholders:
+    """Plain CPU tensors of given shapes and dtypes that hold no memory: views of one
+    read-only anonymous mapping (address space only; nothing ever reads it), each on a
+    storage of its own, as the full tensors would be."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.offsets, total = [], 0
+        for n in sizes:
+            self.offsets.append(total)
+            total += align_up(n, 64) if n else 0
+        self.map = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ)
+        self.view = memoryview(self.map)
+
+    def tensor(self, i: int, shape: torch.Size, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():  # read-only on purpose: its bytes are never read
+            warnings.simplefilter("ignore")
+            raw = torch.frombuffer(self.view[self.offsets[i]:self.offsets[i] + nbytes], dtype=torch.uint8)
+        return raw.view(dtype).reshape(shape)
+
+
+class ShardedFileSave(CollectiveSave):
+    """The save of a DTensor state as one ``torch.save`` file, by every rank of ``group``
+    (a SaveJob; see the module's docstring)."""
+
+    def __init__(self, obj: Any, path: str | os.PathLike, group: Any = None, *,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, options: EngineOptions | None = None) -> None:
+        check_placements(obj)  # every rank refuses the same state: nothing is created
+        self.full: FilePlan | None = None
+        self.held: list[_Held] = []
+        self.layout_hash = ""
+        self._runs: list[tuple[int, int]] = []  # block-aligned ranges this rank alone writes
+        self._partial: list[tuple[int, int]] = []  # its bytes in blocks it shares with others
+        self._fd: int | None = None
+        self._buffered_bytes = 0
+        super().__init__(obj, path, group, topology="replica", timeout_s=timeout_s,
+                         options=options or EngineOptions())
+
+    # -- planning (the caller's thread) ----------------------------------------------
+
+    def _build(self, obj: Any) -> FilePlan:
+        kind = dtensor_type()
+        found = _walk_dtensors(obj, kind) if kind is not None else []
+        unique: dict[int, tuple[str, Any]] = {}
+        for path, dt in found:
+            unique.setdefault(id(dt), (path, dt))
+        dtensors = list(unique.values())
+        sizes = [dt.numel() * dt.element_size() for _, dt in dtensors]
+        holes = _Placeholders(sizes)
+        stand_in: dict[int, torch.Tensor] = {}
+        for i, ((_, dt), n) in enumerate(zip(dtensors, sizes)):
+            t = holes.tensor(i, dt.shape, dt.dtype, n)
+            if dt.requires_grad:
+                t.requires_grad_(True)
+            stand_in[id(dt)] = t
+
+        def replace(o: Any) -> Any:
+            if kind is not None and isinstance(o, kind):
+                return stand_in[id(o)]
+            if isinstance(o, (dict, list, tuple)):
+                return map_containers(o, replace)
+            return o
+
+        full_state = replace(obj)
+        names: dict[int, tuple[str, str]] = {}
+        # Storages always on blocks (no plain 64-byte packing): shares then meet in few blocks.
+        sparse, storages_by_key = capture(full_state, MIN_ALIGNMENT, names=names, plain_alignment=None)
+        if not names:
+            names = tensor_names(full_state)
+        full = self.full = from_skeleton(sparse, storages_by_key, names, MIN_ALIGNMENT)
+
+        by_storage = {stand_in[id(dt)].untyped_storage()._cdata: (path, dt) for path, dt in dtensors}
+        cg_ranks = dist.get_process_group_ranks(self.cg)
+        everyone = tuple(range(len(cg_ranks)))
+        me = dist.get_rank(self.cg)
+        for s in full.storages:
+            storage = s._source  # the storage itself: plan.from_skeleton gives it undressed
+            hit = by_storage.get(storage._cdata) if isinstance(storage, torch.UntypedStorage) else None
+            if hit is None:  # a plain tensor: every rank holds it (replicated)
+                self.held.append(_Held(s.record, 0, s.offset, s.length, s.source, everyone, me))
+                continue
+            path, dt = hit
+            start, source, holders, index = self._local_bytes(path, dt, cg_ranks)
+            if source.numel():
+                self.held.append(_Held(s.record, start, s.offset + start, source.numel(), source, holders, index))
+        h = hashlib.sha256(f"{full.file_size} {full.manifest_header_offset}".encode())
+        for off, data in sparse.segments():
+            h.update(f"{off}:{len(data)}:".encode())
+            h.update(data)
+        for s in full.storages:
+            rec = full.manifest.records[s.record]
+            h.update(f"{rec.name} {s.offset} {s.length} {rec.dtype};".encode())
+        self.layout_hash = h.hexdigest()
+        extents = [StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start) for x in self.held]
+        return FilePlan(file_size=full.file_size, alignment=full.alignment, skeleton=full.skeleton,
+                        storages=sorted(extents, key=lambda e: e.offset), manifest=full.manifest,
+                        manifest_header_offset=full.manifest_header_offset, manifest_offset=full.manifest_offset,
+                        manifest_size=full.manifest_size, manifest_central_entry=full.manifest_central_entry)
+
+    def _local_bytes(self, path: str, dt: Any, cg_ranks: list[int]) -> tuple[int, torch.Tensor, tuple[int, ...], int]:
+        """Where this rank's local shard of ``dt`` lies in the full tensor's storage (its
+        first byte), its bytes, and the coordination-group ranks that hold the same shard."""
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        mesh = dt.device_mesh
+        ranks = mesh.mesh
+        if sorted(ranks.flatten().tolist()) != sorted(cg_ranks):
+            raise CollectiveSaveError(f"{path}: the DTensor's mesh (ranks {sorted(ranks.flatten().tolist())}) is not "
+                                      f"the save's group (ranks {sorted(cg_ranks)}); save with layout=\"dcp\"")
+        coord = mesh.get_coordinate()
+        local_shape, global_offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+        local = dt.to_local()
+        if tuple(local.shape) != tuple(local_shape):
+            raise CollectiveSaveError(f"{path}: the local shard has shape {tuple(local.shape)}, its placements "
+                                      f"{tuple(dt.placements)} give {tuple(local_shape)}")
+        if dt.ndim == 0:
+            start = 0
+        else:
+            row_bytes = dt.numel() // dt.shape[0] * dt.element_size() if dt.shape[0] else 0
+            start = global_offset[0] * row_bytes if local.numel() else 0
+        if not local.is_contiguous():  # FSDP2's shards are; another state's may not be
+            local = local.contiguous()
+        source = local.reshape(-1).view(torch.uint8) if local.numel() else torch.empty(0, dtype=torch.uint8)
+        pick = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(dt.placements, coord))
+        holders = [dist.get_group_rank(self.cg, g) for g in ranks[pick].flatten().tolist()]
+        return start, source, tuple(holders), holders.index(dist.get_rank(self.cg))
+
+    # -- the collective save's steps --------------------------------------------------
+
+    def _table(self) -> Any:
+        samples = {(self.full.manifest.records[x.record].name, x.start): _sample_crc(
+            StorageExtent(x.offset, x.length, x.source, x.record)) for x in self.held if len(x.holders) > 1}
+        return self.layout_hash, samples
+
+    def _agree(self, statuses: list[Any], rank: int, world: int) -> list[int]:
+        for r, st in enumerate(statuses):
+            if st[2][0] != statuses[0][2][0]:
+                raise CollectiveSaveError(
+                    f"sharded save of {self.final}: rank {r} lays the file out unlike rank 0 (its keys, global "
+                    "shapes, dtypes, placements or non-tensor values differ); every rank must save the same state")
+        owned: list[StorageExtent] = []
+        shared: dict[tuple[int, ...], list[_Held]] = {}
+        for x in self.held:
+            key = (self.full.manifest.records[x.record].name, x.start)
+            if len(x.holders) == 1:
+                owned.append(StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start))
+            elif len({statuses[h][2][1].get(key) for h in x.holders}) > 1:
+                if x.index == 0:  # holders disagree: the first one's bytes, whole
+                    owned.append(StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start))
+                    self.stats.extra["differing_storages"] = self.stats.extra.get("differing_storages", 0) + 1
+            else:
+                shared.setdefault(x.holders, []).append(x)
+        for holders, xs in shared.items():
+            xs.sort(key=lambda x: x.offset)
+            me = xs[0].index
+            mine = split_extents([(x.offset, x.length) for x in xs], len(holders), MIN_ALIGNMENT)[me]
+            starts = [x.offset for x in xs]
+            for off, n in mine:
+                x = xs[bisect.bisect_right(starts, off) - 1]
+                rel = off - x.offset
+                owned.append(StorageExtent(off, n, x.source[rel:rel + n], x.record, record_start=x.start + rel))
+        owned.sort(key=lambda e: e.offset)
+        self.plan.storages = owned
+        self._runs, self._partial = self._blocks(owned, rank)
+        self.stats.extra["data_bytes"] = sum(e.length for e in owned)
+        return list(range(world))
+
+    def _blocks(self, owned: list[StorageExtent], rank: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This rank's bytes of the body (before the tail) as block-aligned ranges it alone
+        writes, and the pieces of blocks it shares with another writer.
+
+        The skeleton's bytes are written by the writer of the tensor byte just before them
+        in their block (a record's end and the next record's header); bytes with no tensor
+        byte before them in their block (whole blocks of headers, the pickle) by rank 0.
+        """
+        full = self.full
+        end, b = full.manifest_header_offset, MIN_ALIGNMENT
+        data_ends = [s.offset + s.length for s in full.storages]
+        mine_ends = {s.offset + s.length for s in owned}
+        pieces = [(s.offset, s.offset + s.length) for s in owned]
+        for off, data in full.skeleton.segments():
+            lo, hi = off, min(off + len(data), end)
+            while lo < hi:
+                stop = min(hi, align_down(lo, b) + b)
+                after_data = lo % b and bisect.bisect_left(data_ends, lo) < len(data_ends) and \
+                    data_ends[bisect.bisect_left(data_ends, lo)] == lo
+                if (lo in mine_ends) if after_data else rank == 0:
+                    pieces.append((lo, stop))
+                lo = stop
+        pieces.sort()
+        runs: list[list[int]] = []
+        for lo, hi in pieces:
+            if runs and runs[-1][1] == lo:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi])
+        whole, partial = [], []
+        for lo, hi in runs:
+            a, z = align_up(lo, b), align_down(hi, b)
+            if a < z:
+                whole.append((a, z))
+                if lo < a:
+                    partial.append((lo, a))
+                if z < hi:
+                    partial.append((z, hi))
+            else:
+                partial.append((lo, hi))
+        return whole, partial
+
+    def _write_share(self, engine: Callable[[], Any], tmp: str, writers: list[int], rank: int,
+                     rs: RangeStats) -> list[tuple[str, int, int, int]]:
+        plan = self.plan
+        pieces: list[PieceCrc] = []
+        for lo, hi in self._runs:
+            pieces += write_range(engine(), plan, lo, hi, self.opts, rs)
+        if self._partial:
+            fd = self._buffered(tmp)
+            for lo, hi in self._partial:
+                pieces += self._pwrite(fd, tmp, lo, hi)
+        records = plan.manifest.records
+        return [(records[pc.record].name, pc.start, pc.length, pc.crc) for pc in pieces]
+
+    def _buffered(self, tmp: str) -> int:
+        if self._fd is None:
+            self._fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+        return self._fd
+
+    def _pwrite(self, fd: int, tmp: str, lo: int, hi: int) -> list[PieceCrc]:
+        """Write this rank's bytes of [lo, hi) (skeleton and tensor bytes, in a block another
+        writer shares) through the page cache; the CRCs of its tensor pieces."""
+        from . import _native
+
+        buf = bytearray(self.plan.skeleton.pread(lo, hi - lo))
+        out = []
+        for s in self.plan.storages_in(lo, hi):
+            a, z = max(lo, s.offset), min(hi, s.offset + s.length)
+            data = s.source[a - s.offset:z - s.offset].cpu().numpy().tobytes()
+            buf[a - lo:z - lo] = data
+            out.append(PieceCrc(s.record, s.record_start + a - s.offset, z - a, _native.crc32c(data)))
+        view, pos = memoryview(buf), 0
+        while pos < len(buf):
+            try:
+                pos += os.pwrite(fd, view[pos:], lo + pos)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, tmp) from e
+        self._buffered_bytes += len(buf)
+        return out
+
+    def _sync_share(self, engine: Any) -> None:
+        super()._sync_share(engine)
+        if self._fd is not None:
+            os.fdatasync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    def _tail_plan(self) -> FilePlan:
+        assert self.full is not None
+        return self.full
+
+    def _write_tail(self, engine: Any, tmp: str, pieces: list[PieceCrc], rs: RangeStats,
+                    on_body_written: Any) -> None:
+        full = self.full
+        combine_piece_crcs(full, pieces)  # raises unless the ranks' pieces tile every storage
+        finish_tail(full)
+        lo = full.manifest_header_offset
+        self._pwrite(self._buffered(tmp), tmp, lo, full.file_size)
+        self._sync_share(None)
+        if on_body_written is not None:
+            on_body_written()
+
+    def run(self, on_body_written: Any = None) -> Any:
+        try:
+            stats = super().run(on_body_written)
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        stats.extra["rank_bytes"] = stats.extra.get("rank_bytes", 0) + self._buffered_bytes
+        stats.extra["layout"] = "file"
+        return stats
+
+
+__all__ = ["ShardedFileSave", "UnsupportedPlacementError", "check_placements"]

@@ -1,0 +1,163 @@
+"""A rank of a layout="file" test: every rank of a DTensor state writes one torch.save file.
+
+Usage: python sharded_file_worker.py RANK WORLD PORT DIR SCENARIO (conftest.run_ranks);
+each rank reports to DIR/result<RANK>.json, rank 0 to DIR/result.json as well.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+import fp_core  # noqa: E402
+import fp_core.distributed  # noqa: E402
+from fp_core import _native  # noqa: E402
+
+
+def full_state(gen: int = 0) -> dict:
+    """The full state the sharded one stands for (what a full state dict returns), built
+    the same way in every process: shapes chosen for uneven and empty shards."""
+    g = torch.Generator().manual_seed(1234 + gen)
+    return {
+        "model": {
+            "w": torch.randn(37, 64, generator=g),  # rows divide by neither 2, 3 nor 4
+            "emb": torch.randn(1001, 300, generator=g).to(torch.bfloat16),
+            "big": torch.randn(1024, 1024, generator=g),
+            "tiny": torch.randn(1, 5, generator=g),  # fewer rows than ranks: empty shards
+            "scale": torch.randn(7, generator=g),  # Replicate()
+            "temp": torch.tensor(0.5 + gen),  # 0-dim, Replicate()
+            "buf": torch.arange(100, dtype=torch.int64) * (gen + 1),  # a plain tensor
+        },
+        "optim": {"state": {"w": {"step": torch.tensor(5.0 + gen), "exp_avg": torch.randn(37, 64, generator=g)}},
+                  "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+        "epoch": 3 + gen,
+    }
+
+
+REPLICATED = ("scale", "temp")
+
+
+def sharded_state(mesh, full: dict, shard_placements: list, strided: bool = False) -> dict:
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    rep = [Replicate()] * mesh.ndim
+    m = full["model"]
+    model = {k: distribute_tensor(v, mesh, rep if k in REPLICATED else shard_placements)
+             for k, v in m.items() if k != "buf"}
+    model["buf"] = m["buf"]
+    exp_avg = distribute_tensor(full["optim"]["state"]["w"]["exp_avg"], mesh, shard_placements)
+    return {"model": model,
+            "optim": {"state": {"w": {"step": full["optim"]["state"]["w"]["step"], "exp_avg": exp_avg}},
+                      "param_groups": full["optim"]["param_groups"]},
+            "epoch": full["epoch"]}
+
+
+def local_bytes(state: dict) -> tuple[int, int]:
+    """(bytes of this rank's local shards of sharded DTensors, bytes of replicated tensors)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shards = replicated = 0
+    for v in [*state["model"].values(), state["optim"]["state"]["w"]["exp_avg"],
+              state["optim"]["state"]["w"]["step"]]:
+        if isinstance(v, DTensor) and any(isinstance(p, Shard) for p in v.placements):
+            shards += v.to_local().numel() * v.element_size()
+        else:
+            t = v.to_local() if isinstance(v, DTensor) else v
+            replicated += t.numel() * t.element_size()
+    return shards, replicated
+
+
+def main() -> None:
+    rank, world, port, d, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    result: dict = {"rank": rank}
+    path = os.path.join(d, "full.pt")
+    try:
+        if scenario in ("fsdp", "hsdp"):
+            if scenario == "fsdp":
+                mesh = init_device_mesh("cpu", (world,))
+                placements = [Shard(0)]
+            else:
+                mesh = init_device_mesh("cpu", (2, world // 2))
+                placements = [Replicate(), Shard(0)]
+            state = sharded_state(mesh, full_state(), placements)
+            st = fp_core.save(state, path, layout="file")
+            shards, replicated = local_bytes(state)
+            result.update(rank_bytes=st.extra["rank_bytes"], data_bytes=st.extra["data_bytes"],
+                          local_shard_bytes=shards, replicated_bytes=replicated, file_size=st.bytes,
+                          differing=st.extra.get("differing_storages", 0))
+            if scenario == "fsdp":  # no layout: a DCP directory, as before
+                fp_core.save(state, os.path.join(d, "default"))
+                result["default_is_dir"] = os.path.isfile(os.path.join(d, "default", ".metadata"))
+        elif scenario == "shard1":
+            mesh = init_device_mesh("cpu", (world,))
+            state = sharded_state(mesh, full_state(), [Shard(0)])
+            from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            from fp_core.sharded_file import check_placements
+
+            for name, p in (("partial", Partial()), ("strided", _StridedShard(0, split_factor=2))):
+                try:
+                    check_placements({"x": {name: DTensor.from_local(torch.ones(4, 6), mesh, [p], run_check=False)}})
+                except ValueError as e:
+                    result[name] = str(e)
+            state["model"]["col"] = distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])
+            fp_core.save(state, path, layout="file")
+        elif scenario == "fail":
+            mesh = init_device_mesh("cpu", (world,))
+            fp_core.save(sharded_state(mesh, full_state(0), [Shard(0)]), path, layout="file")
+            if rank == 1:
+                _native.inject_fault("write", errno=5)
+            fp_core.save(sharded_state(mesh, full_state(1), [Shard(0)]), path, layout="file")
+        elif scenario == "mismatch":
+            mesh = init_device_mesh("cpu", (world,))
+            state = sharded_state(mesh, full_state(), [Shard(0)])
+            state["model"]["buf"] = state["model"]["buf"] + rank  # replicas drifted: rank 0's is written
+            st = fp_core.save(state, path, layout="file")
+            result["differing"] = st.extra.get("differing_storages", 0)
+            state["epoch"] = rank  # the pickles differ: no file can be agreed on
+            try:
+                fp_core.save(state, os.path.join(d, "other.pt"), layout="file")
+            except fp_core.distributed.CollectiveSaveError as e:
+                result["mismatch_error"] = str(e)
+        elif scenario == "timing":
+            mesh = init_device_mesh("cpu", (world,))
+            g = torch.Generator().manual_seed(0)
+            full = {f"layer{i}": torch.randn(4096, 1024, generator=g) for i in range(16)}  # 256 MiB
+            from torch.distributed.tensor import distribute_tensor
+
+            state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
+            times: dict = {"file": [], "dcp": []}
+            for _ in range(3):
+                for layout in ("file", "dcp"):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fp_core.save(state, os.path.join(d, f"t-{layout}"), layout=layout)
+                    dist.barrier()
+                    times[layout].append(time.perf_counter() - t0)
+            result.update(times=times)
+        else:
+            raise ValueError(scenario)
+        result["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        result.update(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
+    for name in [f"result{rank}.json"] + (["result.json"] if rank == 0 else []):
+        with open(os.path.join(d, name), "w") as f:
+            json.dump(result, f)
+    os._exit(0)  # skip destroy_process_group: a dead peer would make it hang
+
+
+if __name__ == "__main__":
+    main()
