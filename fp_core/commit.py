@@ -310,6 +310,7 @@ def check_target(final: str | os.PathLike) -> str:
     if raw.endswith(os.sep):
         raise IsADirectoryError(errno.EISDIR, "checkpoint path ends in '/', which names a directory (torch.save "
                                 "refuses it too); name the file without it", raw)
+    _refuse_protected_links(raw)
     path = os.path.realpath(raw)
     parent = os.path.dirname(path)
     try:
@@ -346,6 +347,37 @@ def check_target(final: str | os.PathLike) -> str:
         raise PermissionError(errno.EACCES, "checkpoint file exists and is not writable by this user (torch.save "
                               "fails the same way); it is left as it is", path)
     return path
+
+
+def _refuse_protected_links(raw: str) -> None:
+    """Where the kernel protects symlinks (``fs.protected_symlinks``, on by default on most
+    distributions), ``open`` refuses to follow a link another user planted in a sticky
+    world-writable directory such as ``/tmp``: ``torch.save`` fails with ``EACCES``. We
+    resolve links ourselves (:func:`check_target`), so the same rule is applied here, to
+    the checkpoint name and every link it leads through."""
+    try:
+        with open("/proc/sys/fs/protected_symlinks") as f:
+            if f.read().strip() != "1":
+                return
+    except OSError:
+        return
+    p, euid = os.path.abspath(raw), os.geteuid()
+    for _ in range(40):  # the kernel's own limit on links followed
+        try:
+            st = os.lstat(p)
+            if not stat.S_ISLNK(st.st_mode):
+                return
+            parent = os.path.dirname(p)
+            pst = os.stat(parent)
+            target = os.readlink(p)
+        except OSError:
+            return  # what is wrong with the path is check_target's to say
+        sticky_shared = pst.st_mode & stat.S_ISVTX and pst.st_mode & stat.S_IWOTH
+        if sticky_shared and st.st_uid not in (euid, pst.st_uid):
+            raise PermissionError(errno.EACCES, "checkpoint path leads through a symlink another user owns in a "
+                                  "sticky world-writable directory, which the kernel refuses to follow "
+                                  "(fs.protected_symlinks; torch.save fails the same way)", p)
+        p = os.path.normpath(os.path.join(parent, target))
 
 
 def _report_lost(path: str) -> None:

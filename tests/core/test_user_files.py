@@ -503,3 +503,44 @@ def test_a_save_through_a_link_is_pending_and_committed_under_the_name_it_was_gi
         assert h.done() and not ckpt.pending(link)
     assert committed == [(link, link)] and os.path.islink(link)
     assert torch.equal(torch.load(target)["w"], sd(1.0, 4 << 20)["w"])
+
+
+@pytest.fixture
+def protected_symlinks():
+    """fs.protected_symlinks on (the default of most distributions), restored afterwards."""
+    knob = "/proc/sys/fs/protected_symlinks"
+    try:
+        old = open(knob).read().strip()
+        with open(knob, "w") as f:
+            f.write("1")
+    except OSError as e:
+        pytest.skip(f"cannot set {knob}: {e}")
+    try:
+        yield
+    finally:
+        with open(knob, "w") as f:
+            f.write(old)
+
+
+@needs_root
+def test_a_link_planted_by_another_user_in_a_sticky_directory_is_not_followed(shared_dir, disk_dir,
+                                                                               protected_symlinks):
+    """/tmp-style attack: another user plants ckpt.pt -> the victim's file in a sticky
+    world-writable directory. The kernel refuses to follow it for open() (torch.save gets
+    EACCES); we resolve links ourselves, so we must refuse too."""
+    os.chmod(shared_dir, 0o1777)
+    victim = os.path.join(disk_dir, "precious.pt")
+    fp_core.save(sd(1.0), victim)
+    link = os.path.join(shared_dir, "ckpt.pt")
+    os.symlink(victim, link)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises((PermissionError, RuntimeError)):  # the reference
+        torch.save(sd(2.0), link)
+    for writer in (_sync, _async):
+        with pytest.raises(PermissionError, match="protected_symlinks"):
+            writer(sd(2.0), link)
+    assert torch.equal(torch.load(victim)["w"], sd(1.0)["w"]) and os.path.islink(link)
+    own = os.path.join(shared_dir, "mine.pt")  # a link of our own there is followed as before
+    os.symlink(victim, own)
+    fp_core.save(sd(3.0), own)
+    assert torch.equal(torch.load(victim)["w"], sd(3.0)["w"])
