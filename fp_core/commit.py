@@ -307,9 +307,9 @@ def check_target(final: str | os.PathLike) -> str:
     raw = os.fspath(final)
     if isinstance(raw, bytes):
         raw = os.fsdecode(raw)
-    if raw.endswith(os.sep):
-        raise IsADirectoryError(errno.EISDIR, "checkpoint path ends in '/', which names a directory (torch.save "
-                                "refuses it too); name the file without it", raw)
+    if raw.endswith(os.sep) or os.path.basename(raw) in (".", ".."):
+        raise IsADirectoryError(errno.EISDIR, "checkpoint path ends in '/' (or '.', '..'), which names a directory "
+                                "(torch.save refuses it too); name the file without it", raw)
     _refuse_protected_links(raw)
     path = os.path.realpath(raw)
     parent = os.path.dirname(path)

@@ -417,6 +417,10 @@ def test_a_trailing_slash_is_refused(disk_dir, writer, exists):
         assert not os.path.lexists(p)
     with pytest.raises((OSError, RuntimeError), match="name/"):  # the reference refuses too
         torch.save(sd(2.0), p + "/")
+    for tail in ("/.", "/.."):  # names of directories too, never of the file before them
+        with pytest.raises(IsADirectoryError):
+            WRITERS[writer](sd(2.0), p + tail)
+    assert sorted(os.listdir(disk_dir)) == (["name"] if exists else [])
 
 
 @needs_root
