@@ -23,6 +23,7 @@ files costs the training loop nothing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -335,12 +336,22 @@ def check_target(final: str | os.PathLike) -> str:
         raise NotADirectoryError(errno.ENOTDIR, "checkpoint directory is not a directory", parent)
     if st is not None:
         refuse_non_regular(path, st)
+        if st.st_nlink > 1:
+            log.warning("fastpersist: %s has %d hard links: the new checkpoint replaces this name only, the other "
+                        "names keep the old file (torch.save would write into the shared file)", path, st.st_nlink)
         if st.st_size in (0, len(PLACEHOLDER_TEXT)):
             _report_lost(path)
     if os.statvfs(parent).f_flag & os.ST_RDONLY:
         raise OSError(errno.EROFS, "checkpoint directory is on a read-only file system", parent)
     if not _access(parent, os.W_OK | os.X_OK):
         raise PermissionError(errno.EACCES, "checkpoint directory is not writable", parent)
+    euid = os.geteuid()
+    if st is not None and euid != 0 and pst.st_mode & stat.S_ISVTX and euid not in (st.st_uid, pst.st_uid):
+        # the sticky bit lets only the file's or the directory's owner rename over it:
+        # refused now, not after the whole checkpoint is written
+        raise PermissionError(errno.EACCES, "checkpoint file belongs to another user in a sticky directory, where "
+                              "only its owner may replace it; FastPersist replaces a checkpoint by a rename (torch.save "
+                              "would write into it, without atomicity)", path)
     if st is not None and not _access(path, os.W_OK):
         # the directory lets us rename over it, but torch.save opens the file itself: never
         # replace a file the caller could not have written
@@ -353,31 +364,45 @@ def _refuse_protected_links(raw: str) -> None:
     """Where the kernel protects symlinks (``fs.protected_symlinks``, on by default on most
     distributions), ``open`` refuses to follow a link another user planted in a sticky
     world-writable directory such as ``/tmp``: ``torch.save`` fails with ``EACCES``. We
-    resolve links ourselves (:func:`check_target`), so the same rule is applied here, to
-    the checkpoint name and every link it leads through."""
+    resolve links ourselves (:func:`check_target`), so the same rule is applied here to
+    every link the path leads through, walked component by component as the kernel does
+    (``..`` taken after the link before it is followed, never as text)."""
     try:
         with open("/proc/sys/fs/protected_symlinks") as f:
             if f.read().strip() != "1":
                 return
     except OSError:
         return
-    p, euid = os.path.abspath(raw), os.geteuid()
-    for _ in range(40):  # the kernel's own limit on links followed
+    euid = os.geteuid()
+    todo = collections.deque(os.path.join(os.getcwd(), raw).split("/"))
+    path, followed = "/", 0
+    while todo:
+        name = todo.popleft()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            path = os.path.dirname(path)  # ``path`` is physical: no link in it
+            continue
+        here = os.path.join(path, name)
         try:
-            st = os.lstat(p)
+            st = os.lstat(here)
             if not stat.S_ISLNK(st.st_mode):
-                return
-            parent = os.path.dirname(p)
-            pst = os.stat(parent)
-            target = os.readlink(p)
+                path = here
+                continue
+            pst = os.lstat(path)
+            target = os.readlink(here)
         except OSError:
             return  # what is wrong with the path is check_target's to say
-        sticky_shared = pst.st_mode & stat.S_ISVTX and pst.st_mode & stat.S_IWOTH
-        if sticky_shared and st.st_uid not in (euid, pst.st_uid):
+        followed += 1
+        if followed > 40:  # the kernel's limit: check_target reports the loop
+            return
+        if pst.st_mode & stat.S_ISVTX and pst.st_mode & stat.S_IWOTH and st.st_uid not in (euid, pst.st_uid):
             raise PermissionError(errno.EACCES, "checkpoint path leads through a symlink another user owns in a "
                                   "sticky world-writable directory, which the kernel refuses to follow "
-                                  "(fs.protected_symlinks; torch.save fails the same way)", p)
-        p = os.path.normpath(os.path.join(parent, target))
+                                  "(fs.protected_symlinks; torch.save fails the same way)", here)
+        if target.startswith("/"):
+            path = "/"
+        todo.extendleft(reversed(target.split("/")))
 
 
 def _report_lost(path: str) -> None:
@@ -459,6 +484,13 @@ def _copy_attributes(fd: int, final: str, st: os.stat_result) -> None:
     if cur.st_gid != st.st_gid:  # other users in our group had the other bits, not the group's
         mode &= ~0o070 | ((mode & 0o007) << 3)
     acl = _xattr_of(final, ACL_XATTR)
+    if acl is not None and cur.st_gid != st.st_gid:
+        # the old group's ACL entry would apply to our group now: not copied (named users
+        # lose their access; the mode, narrowed above, holds the rest)
+        group_obj = _acl_perm(acl, _ACL_GROUP_OBJ)
+        if group_obj is not None:
+            mode &= ~0o070 | (group_obj << 3)
+        acl = None
     if acl is None:
         with contextlib.suppress(OSError):  # a default ACL of the directory gave it one: not the old file's
             os.removexattr(fd, ACL_XATTR)
@@ -751,10 +783,21 @@ def publish_dir(staging: str, final: str) -> None:
     first moves beside the directory it names."""
     final = resolve_dir(final)
     parent = os.path.dirname(final)
-    if os.path.dirname(os.path.realpath(staging)) != parent:
-        moved = os.path.join(parent, os.path.basename(staging))
-        os.rename(staging, moved)  # same filesystem as the link's own directory, or EXDEV: a clear error
-        staging = moved
+    if os.path.dirname(os.path.realpath(staging)) == parent:
+        _publish_dir(staging, final)
+        return
+    moved = os.path.join(parent, os.path.basename(staging))
+    os.rename(staging, moved)  # same filesystem as the link's own directory, or EXDEV: a clear error
+    try:
+        _publish_dir(moved, final)
+    except BaseException:
+        shutil.rmtree(moved, ignore_errors=True)  # where the caller's clean-up of its staging cannot see it
+        raise
+
+
+def _publish_dir(staging: str, final: str) -> None:
+    """:func:`publish_dir` of a ``staging`` directory beside ``final`` (resolved)."""
+    parent = os.path.dirname(final)
     if os.path.isdir(final):  # the directory it replaces keeps its mode, owner, group and ACL
         fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -800,7 +843,8 @@ def retire_dirs(paths: list[str]) -> None:
 def recover_dir(final: str) -> None:
     """Put the checkpoint directory ``final`` back if a crash fell between
     :func:`publish_dir`'s two renames (it is aside, and nothing replaced it)."""
-    parent, base = os.path.split(os.path.abspath(final))
+    final = os.path.realpath(final)  # a link: the directory it names is what was set aside
+    parent, base = os.path.split(final)
     aside = os.path.join(parent, REPLACED_PREFIX + base)
     if os.path.isdir(aside) and not os.path.islink(aside) and not os.path.lexists(final):
         os.rename(aside, final)

@@ -131,6 +131,7 @@ class Handle:
         self._done = threading.Event()
         self._staged = threading.Event()  # no live memory is read any more
         self._cut: tuple | None = None  # (FenceCut, job, live memory) of an overlap save
+        self._job: Any = None  # the save job while it is pending
         self._result: Any = None
         self._error: BaseException | None = None
         self._reported = False
@@ -156,7 +157,7 @@ class Handle:
     def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
         self._staged.set()
-        self._cut = None  # the plan, job and live-memory guard of the save go with it
+        self._cut = self._job = None  # the plan, job and live-memory guard of the save go with it
         self._done.set()
 
 
@@ -255,6 +256,38 @@ def _forget_parents_work() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_parents_work)
+
+
+def _drop_inherited_files(job: Any) -> None:
+    """In a forked child: point the child's copies of the descriptors of the parent's
+    temporary file at ``/dev/null``. The child would otherwise keep that file (and the
+    blocks of a checkpoint it later replaces) alive for its whole life, and a clean-up would
+    take it for held after the parent died. The parent keeps its file and its lock (the
+    open file description is the parent's too); the numbers stay valid, so the job's own
+    close later in the child closes ``/dev/null``."""
+    fds = set()
+    for part in (job, getattr(job, "local", None)):  # a remote save stages through a LocalSave
+        temp = getattr(part, "temp", None)
+        held = getattr(temp, "_held", None)
+        if held is not None:
+            fds.add(held)
+        engine = getattr(temp, "engine", None)
+        try:
+            fds.add(engine.fileno())
+        except (AttributeError, OSError, ValueError):
+            pass
+    if not fds:
+        return
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in fds:
+            if fd >= 0:
+                try:
+                    os.dup2(null, fd)
+                except OSError:
+                    pass
+    finally:
+        os.close(null)
 
 
 class AsyncCheckpointer:
@@ -463,6 +496,7 @@ class AsyncCheckpointer:
                      on_commit: Callable[[str, SaveStats], None] | None, warm: tuple[int, bool] | None,
                      t0: float) -> SaveHandle:
         handle = SaveHandle(prepared.final)
+        handle._job = prepared  # a forked child lets go of its descriptors (_forget_after_fork)
         # What the writer will read from live memory: it must not be freed meanwhile.
         live = _LiveMemory([s for s in big if s.host is None], handle._staged)
         if not live.extents:
@@ -746,6 +780,8 @@ class AsyncCheckpointer:
         error = CheckpointError(f"this save was started by process {os.getppid()} before it forked; the forked "
                                 "child does not write it (the parent does)")
         for h in parents:
+            _drop_inherited_files(getattr(h, "_job", None))
+            h._job = None
             if not h.done():
                 h._reported = True
                 h._finish(None, error)

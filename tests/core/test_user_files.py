@@ -548,3 +548,78 @@ def test_a_link_planted_by_another_user_in_a_sticky_directory_is_not_followed(sh
     os.symlink(victim, own)
     fp_core.save(sd(3.0), own)
     assert torch.equal(torch.load(victim)["w"], sd(3.0)["w"])
+
+
+def test_a_crash_between_the_renames_behind_a_link_is_undone_where_the_link_points(disk_dir):
+    """publish_dir set the directory the link names aside and died before the second
+    rename: recover_dir of the link's name puts it back (it looks beside the target)."""
+    runs = os.path.join(disk_dir, "runs")
+    os.makedirs(os.path.join(runs, "ck"))
+    with open(os.path.join(runs, "ck", "old"), "w") as f:
+        f.write("old")
+    link = os.path.join(disk_dir, "checkpoint-last")
+    os.symlink(os.path.join("runs", "ck"), link)
+    os.rename(os.path.join(runs, "ck"), os.path.join(runs, commit.REPLACED_PREFIX + "ck"))  # the first rename
+    commit.recover_dir(link)
+    assert os.listdir(link) == ["old"] and os.listdir(runs) == ["ck"]
+
+
+@needs_root
+def test_an_acl_is_not_copied_onto_a_group_it_was_not_written_for(shared_dir):
+    """root's 0640 file, ACL user:65534:rw group::r-- mask::rw other::---, replaced by user
+    65534: the new file is in 65534's group, which must not inherit the old group's entry."""
+    p = os.path.join(shared_dir, "ckpt.pt")
+    fp_core.save(sd(1.0), p)
+    os.chmod(p, 0o640)
+    _set_acl(p, _acl((0x01, 6, _ANY), (0x02, 6, 65534), (0x04, 4, _ANY), (0x10, 6, _ANY), (0x20, 0, _ANY)))
+    got = _as_user(65534, lambda: _outcome(lambda: fp_core.save(sd(2.0), p)))
+    assert got == "ok", got
+    st = os.stat(p)
+    assert st.st_gid == 65534 and stat.S_IMODE(st.st_mode) & 0o077 == 0, oct(st.st_mode)
+    with pytest.raises(OSError):
+        os.getxattr(p, commit.ACL_XATTR)
+
+
+@needs_root
+def test_another_users_file_in_a_sticky_directory_is_refused_before_writing(shared_dir):
+    """Only a file's owner may rename over it in a sticky directory: refused at once with
+    EACCES, not after the whole checkpoint was written."""
+    os.chmod(shared_dir, 0o1777)
+    p = os.path.join(shared_dir, "ckpt.pt")
+    fp_core.save(sd(1.0), p)
+    os.chmod(p, 0o666)
+    got = _as_user(65534, lambda: _outcome(lambda: fp_core.save(sd(2.0, 4 << 20), p)))
+    assert got.startswith("PermissionError errno=13") and "sticky" in got, got
+    assert torch.equal(torch.load(p)["w"], sd(1.0)["w"]) and _leftovers(shared_dir) == []
+
+
+@needs_root
+def test_a_planted_link_reached_through_dotdot_is_not_followed(shared_dir, disk_dir, protected_symlinks):
+    """X/L/../ck.pt with L -> sticky/sub: the kernel resolves '..' after following L, so
+    ck.pt is the planted link in the sticky directory, and is refused."""
+    os.chmod(shared_dir, 0o1777)
+    os.makedirs(os.path.join(shared_dir, "sub"))
+    victim = os.path.join(disk_dir, "precious.pt")
+    fp_core.save(sd(1.0), victim)
+    planted = os.path.join(shared_dir, "ck.pt")
+    os.symlink(victim, planted)
+    os.lchown(planted, 65534, 65534)
+    x = os.path.join(disk_dir, "X")
+    os.makedirs(x)
+    os.symlink(os.path.join(shared_dir, "sub"), os.path.join(x, "L"))
+    via = os.path.join(x, "L", "..", "ck.pt")
+    with pytest.raises((PermissionError, RuntimeError)):  # the reference
+        torch.save(sd(2.0), via)
+    with pytest.raises(PermissionError, match="protected_symlinks"):
+        fp_core.save(sd(2.0), via)
+    assert torch.equal(torch.load(victim)["w"], sd(1.0)["w"])
+
+
+def test_a_hard_linked_file_is_replaced_under_its_name_alone_with_a_warning(disk_dir, caplog):
+    h1, h2 = os.path.join(disk_dir, "h1.pt"), os.path.join(disk_dir, "h2.pt")
+    fp_core.save(sd(1.0), h1)
+    os.link(h1, h2)
+    with caplog.at_level(logging.WARNING, logger="fastpersist"):
+        fp_core.save(sd(2.0), h1)
+    assert any("hard links" in r.getMessage() and h1 in r.getMessage() for r in caplog.records)
+    assert torch.load(h1)["step"] == 2 and torch.load(h2)["step"] == 1

@@ -70,6 +70,13 @@ def main() -> None:
         if pid == 0:
             code = 0
             try:
+                # the parent's temporary file is not held open by the child
+                for fd in os.listdir("/proc/self/fd"):
+                    try:
+                        if os.readlink(f"/proc/self/fd/{fd}").startswith(d):
+                            code = 5
+                    except OSError:
+                        pass
                 t0 = time.monotonic()
                 ckpt.wait()  # nothing of the parent's to wait for
                 waited = time.monotonic() - t0
