@@ -187,7 +187,7 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
 
 
 def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, weights_only: bool | None = True,
-              storage_options: dict | None = None, keep_local: bool = False) -> Any:
+              storage_options: dict | None = None, keep_local: bool = False, stats: Any = None) -> Any:
     """Resume from the checkpoint at ``path``: ``target``'s tensors are filled in place, each
     one's bytes read straight into its memory; returns the saved object (what
     ``torch.load`` returns, with the target's tensors in it). ``target`` may hold the
@@ -195,7 +195,9 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, wei
     each is then handed the file's state by its own ``load_state_dict`` (the file's lr,
     not the live one), and a fresh optimizer's state is created from the file. See
     :func:`fp_core.load_in_place.load_into`. A remote URL is fetched into local staging
-    first."""
+    first. DTensors (FSDP2, HSDP; any number of ranks) are filled from one file of the full
+    state, each rank reading only its own rows. ``stats``: a
+    :class:`fp_core.sharded_load.LoadIntoStats` filled with the bytes read."""
     from .load_in_place import load_into as fill
 
     is_remote, p = paths.split(path)
@@ -204,8 +206,8 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, wei
 
         with remote.fetch(p, storage_options=storage_options, keep_local=keep_local) as local, \
                 remote.named_by_url(p, local):
-            return fill(target, local, verify=verify, weights_only=weights_only)
-    return fill(target, p, verify=verify, weights_only=weights_only)
+            return fill(target, local, verify=verify, weights_only=weights_only, stats=stats)
+    return fill(target, p, verify=verify, weights_only=weights_only, stats=stats)
 
 
 def verify(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:

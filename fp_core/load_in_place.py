@@ -16,7 +16,9 @@ dtype), and one native scatter read fills them all: pieces near each other in th
 read together, up to 2 MiB per request, many in flight, O_DIRECT straight in where the
 target is aligned like the file. No fresh memory is touched: the target's pages are
 already there. A target that cannot be filled in place (on a device, not contiguous, a
-view of part of a saved storage) is filled from a host copy of its record.
+view of part of a saved storage) is filled from a host copy of its record. A DTensor target
+(``Shard(0)``/``Replicate()``, any mesh) is filled in its local shard from its rows of the
+saved full tensor only (:mod:`fp_core.sharded_load`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from .integrity import (
 )
 from .loader import FastReader
 from .plain_unpickle import SavedTensor
+from .sharded_load import LoadIntoStats, LocalRows, combined_crc, exchange, is_dtensor, local_rows
 from .thread_wait import Beside
 
 
@@ -58,6 +61,7 @@ class _Fill:
     nbytes: int  # that its view spans (from its first element to its last)
     record: tuple[int, int]  # (offset, size) of the storage record holding them
     source: Any  # SavedTensor (storage offset, strides) for a copy; a loaded tensor where read whole
+    shard: LocalRows | None = None  # the target is a DTensor's local shard: only its rows are read
 
 
 class _MetaSlices:
@@ -137,10 +141,14 @@ class _Matcher:
         self.fills: list[_Fill] = []
         self.stateful: list[tuple[Any, Any]] = []  # (object, its filled state dict)
         self.params: dict[int, dict[Any, torch.Tensor]] = {}  # id(optimizer's state dict) -> index -> param
+        # (mesh, record offset, record size, whether its ranks' rows tile the record) of each
+        # DTensor target, also where this rank's shard is empty: its checksum is the mesh's
+        self.sharded: list[tuple[Any, int, int, bool]] = []
+        self.stats = LoadIntoStats()
 
     def run(self, saved: Any) -> Any:
         """The saved structure with each tensor replaced by the target's (or a created one)."""
-        self.fills, self.stateful, self.params = [], [], {}
+        self.fills, self.stateful, self.params, self.sharded = [], [], {}, []
         return self.match(saved, self.target)
 
     def restore(self) -> None:
@@ -187,13 +195,12 @@ class _Matcher:
                                  f"{tuple(target.shape)} {target.dtype} in the target")
             if isinstance(saved, torch.Tensor):
                 saved = _described(saved)
+            if is_dtensor(target):
+                return self._dtensor(saved, target, key)
             if isinstance(saved, torch.Tensor):  # read whole (no offsets): copied from the loaded tensor
                 self.fills.append(_Fill(key, target, -1, 0, (-1, 0), saved))
                 return target
-            last, numel = 0, 1  # the view's last element past its first, and how many it has
-            for n, st in zip(saved.shape, saved.stride):
-                last += (n - 1) * st
-                numel *= n
+            numel, last = _span(saved.shape, saved.stride)
             if numel == 0:
                 return target  # nothing to read (an empty view may point anywhere, even past its storage)
             es = saved.element_size
@@ -245,6 +252,28 @@ class _Matcher:
             return type(saved)(items)
         return saved  # numbers, strings, ...: the file's
 
+    def _dtensor(self, saved: SavedTensor | torch.Tensor, target: torch.Tensor, key: str) -> torch.Tensor:
+        """A DTensor target (its global shape and dtype already matched): only the rows of
+        its local shard are read, into the local shard."""
+        rows = local_rows(target, key)
+        if isinstance(saved, torch.Tensor):  # loaded whole (no offsets): its rows copied
+            src = saved[rows.start:rows.start + rows.shape[0]] if saved.ndim else saved
+            self.fills.append(_Fill(key, rows.local, -1, 0, (-1, 0), src, rows))
+            return target
+        es = saved.element_size
+        # the ranks' row ranges tile the storage's bytes only where the saved tensor is the
+        # whole storage, row-major: else each rank checks the storage whole (verify)
+        tiles = saved.is_contiguous() and saved.storage_offset == 0 and saved.numel() * es == saved.storage_nbytes
+        self.sharded.append((rows.mesh, saved.offset, saved.storage_nbytes, tiles))
+        first = saved.storage_offset + (rows.start * saved.stride[0] if saved.shape else 0)
+        part = SavedTensor(saved.offset, saved.storage_nbytes, saved.dtype, first, rows.shape, saved.stride)
+        numel, last = _span(part.shape, part.stride)
+        if numel == 0:
+            return target  # an empty shard: nothing to read
+        self.fills.append(_Fill(key, rows.local, saved.offset + first * es, (last + 1) * es,
+                                (saved.offset, saved.storage_nbytes), part, rows))
+        return target
+
     def _optimizer(self, saved: Mapping, target: Mapping, key: str) -> dict:
         """An optimizer's state dict: ``param_groups`` and every other value from the file;
         each parameter's state filled where the target has it, created where it does not
@@ -281,13 +310,37 @@ class _Matcher:
                 step_device = device if g.get("capturable", False) or g.get("fused", False) else _CPU
                 if not isinstance(mine, Mapping):
                     mine = {}
-                state[pid] = {k: self.match(x, mine.get(k, _ABSENT), f"{at}.{k}", step_device if k == "step" else device,
-                                            True)
+                state[pid] = {k: self.match(x, _created_like(param, k, x) if k not in mine else mine[k], f"{at}.{k}",
+                                            step_device if k == "step" else device, True)
                               for k, x in v.items()}
             else:
                 state[pid] = self.match(v, mine, at, device, True)
         out["state"] = state
         return {k: out[k] for k in saved}  # the file's order of keys
+
+
+def _created_like(param: torch.Tensor | None, k: Any, saved: Any) -> Any:
+    """The target of a state tensor a fresh optimizer lacks: for a DTensor parameter
+    (FSDP2), a DTensor sharded like it where the saved tensor has its global shape, so only
+    this rank's rows are read and the state is what the optimizer's step expects; else
+    absent (created whole from the file)."""
+    if param is None or k == "step" or not is_dtensor(param) or tuple(saved.shape) != tuple(param.shape):
+        return _ABSENT
+    from torch.distributed.tensor import DTensor
+
+    like = param.to_local()
+    local = torch.empty(like.shape, dtype=saved.dtype, device=like.device)
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
+    """(how many elements a view has, its last element's distance from its first)."""
+    last, numel = 0, 1
+    for n, st in zip(shape, stride):
+        last += (n - 1) * st
+        numel *= n
+    return numel, last
 
 
 def _at(key: str, k: Any) -> str:
@@ -319,7 +372,7 @@ def _under_archive(cf: CheckpointFile, entries: list[Any], offsets: list[int]) -
 
 
 def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
-              weights_only: bool | None = True) -> Any:
+              weights_only: bool | None = True, stats: LoadIntoStats | None = None) -> Any:
     """Resume from the checkpoint at ``path`` into ``target``, reading every tensor's bytes
     straight into memory that is already there; returns the saved object.
 
@@ -359,8 +412,20 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     read into the targets, and no ``load_state_dict`` is called). Without it, a load that
     fails on a damaged file raises :class:`CorruptCheckpointError` naming the damage where
     the structure shows it.
+
+    DTensors (placed ``Shard(0)`` and ``Replicate()``, on any mesh: as many ranks as saved,
+    fewer or more, FSDP2 or HSDP) are filled from a file of the full state (``layout="file"``
+    or ``torch.save`` of a full state dict), called by every rank of their meshes: each
+    rank reads only its local shard's rows, straight into it (:mod:`fp_core.sharded_load`);
+    other placements are refused naming the tensor, before a byte is read. With ``verify``
+    each rank checks what it reads, and each storage's checksum is put together from the
+    ranks' pieces over the mesh (a collective: every rank of the mesh must call it).
+
+    ``stats``: a :class:`~fp_core.sharded_load.LoadIntoStats` to be filled with the bytes read.
     """
     m = _Matcher(target)
+    if stats is not None:
+        m.stats = stats
     result = _load_into(m, path, verify, weights_only)
     _write_back(target, result)
     m.restore()
@@ -488,7 +553,7 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Matcher, path:
                 sizes = {r.offset: r.size for r in storages}
     if saved is not NotImplemented:
         before_reads()
-        _read_fills(cf, view, fills, sizes)
+        _read_fills(cf, view, fills, sizes, target)
         return result
     with gc_paused():
         # every storage's data offset, its local header read in one scatter read
@@ -510,7 +575,7 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Matcher, path:
     if swapped:
         return _load_and_copy(target, path, verify, weights_only)  # torch.load swaps its bytes
     before_reads()
-    _read_fills(cf, view, fills, sizes)
+    _read_fills(cf, view, fills, sizes, target)
     return result
 
 
@@ -521,54 +586,104 @@ def _load_and_copy(target: _Matcher, path: str | os.PathLike, verify: bool, weig
     with torch.no_grad():
         for f in target.fills:
             f.target.copy_(f.source)
+    st = target.stats
+    st.tensors += len(target.fills)
+    st.tensor_bytes += sum(f.target.nbytes for f in target.fills)
+    st.whole_file = True
     return result
 
 
-def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill], sizes: dict[int, int]) -> None:
+def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill], sizes: dict[int, int],
+                matcher: _Matcher) -> None:
     """``sizes``: data offset -> size of every storage record, from the zip's own headers."""
     records = {r.offset: r for r in view.manifest.records if r.kind == "storage"} if view is not None else {}
-    seen: set[tuple[int, int, int]] = set()
-    direct, copied = [], []
-    for f in fills:
-        start, size = f.record
-        if sizes.get(start) != size or not start <= f.offset <= f.offset + f.nbytes <= start + size:
-            raise CorruptCheckpointError(cf.path, "data.pkl", f"tensor {f.key}: the pickle asks for {size} storage "
-                                         f"bytes at byte {start}, where no storage record of that size lies")
-        t = f.target
-        src = f.source
-        # the span's bytes are the tensor's memory as it is: both row-major, or one dense
-        # layout of the same strides (a created tensor of a channels-last parameter's state)
-        if t.device.type == "cpu" and ((t.is_contiguous() and src.is_contiguous())
-                                       or (t.stride() == src.stride and src.is_dense())):
-            k = (t.data_ptr(), f.offset, f.nbytes)
-            if k not in seen:  # tied weights: one tensor under two keys
-                seen.add(k)
-                direct.append(f)
-        else:
-            copied.append(f)
+    # verify with DTensor targets: the storages whose checksums their meshes' ranks put together
+    meshes: list[Any] = []
+    combined: dict[int, int] = {}  # record offset -> index of its mesh
+    if view is not None:
+        for mesh, off, _, tiles in matcher.sharded:
+            i = next((i for i, m in enumerate(meshes) if m is mesh or m == mesh), None)
+            if i is None:
+                meshes.append(mesh)
+                i = len(meshes) - 1
+            if tiles and off in records:
+                combined.setdefault(off, i)
+    pieces: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in meshes]
+
+    def piece(f: _Fill, crc: int) -> None:
+        i = combined.get(f.record[0])
+        if i is not None and f.shard is not None and f.shard.contributes:
+            pieces[i].setdefault(f.record[0], []).append((f.offset, f.nbytes, crc))
+
+    stats = matcher.stats
     checked: set[int] = set()
-    with cf.native_reader() as reader:
-        crcs = read_depth.scatter(reader, [(f.offset, f.target.data_ptr(), f.nbytes) for f in direct],
-                                    view is not None)
-        for f, crc in zip(direct, crcs):
-            if (f.offset, f.nbytes) == f.record and f.record[0] in records:
-                check_crc(cf.path, records[f.record[0]], crc)
-                checked.add(f.record[0])
-        for f in copied:
-            off, size = f.record
-            host = torch.empty(size, dtype=torch.uint8)
-            crc = reader.read_into(off, host.data_ptr(), size, checksum=view is not None,
-                                   threads=read_depth.THREADS, chunk_bytes=read_depth.CHUNK)
-            if off in records:
-                check_crc(cf.path, records[off], crc)
+    error: Exception | None = None
+    try:
+        seen: set[tuple[int, int, int]] = set()
+        direct, copied = [], []
+        for f in fills:
+            start, size = f.record
+            if sizes.get(start) != size or not start <= f.offset <= f.offset + f.nbytes <= start + size:
+                raise CorruptCheckpointError(cf.path, "data.pkl", f"tensor {f.key}: the pickle asks for {size} storage "
+                                             f"bytes at byte {start}, where no storage record of that size lies")
+            t = f.target
+            src = f.source
+            # the span's bytes are the tensor's memory as it is: both row-major, or one dense
+            # layout of the same strides (a created tensor of a channels-last parameter's state)
+            if t.device.type == "cpu" and ((t.is_contiguous() and src.is_contiguous())
+                                           or (t.stride() == src.stride and src.is_dense())):
+                k = (t.data_ptr(), f.offset, f.nbytes)
+                if k not in seen:  # tied weights: one tensor under two keys
+                    seen.add(k)
+                    direct.append(f)
+            else:
+                copied.append(f)
+        with cf.native_reader() as reader:
+            crcs = read_depth.scatter(reader, [(f.offset, f.target.data_ptr(), f.nbytes) for f in direct],
+                                      view is not None)
+            stats.tensors += len(direct)
+            stats.tensor_bytes += sum(f.nbytes for f in direct)
+            for f, crc in zip(direct, crcs):
+                piece(f, crc)
+                if (f.offset, f.nbytes) == f.record and f.record[0] in records:
+                    check_crc(cf.path, records[f.record[0]], crc)
+                    checked.add(f.record[0])
+            for f in copied:
+                if f.shard is not None:  # only the shard's span, not the whole storage
+                    off, size, first = f.offset, f.nbytes, 0
+                else:
+                    (off, size), first = f.record, f.source.storage_offset
+                host = torch.empty(size, dtype=torch.uint8)
+                crc = reader.read_into(off, host.data_ptr(), size, checksum=view is not None,
+                                       threads=read_depth.THREADS, chunk_bytes=read_depth.CHUNK)
+                stats.tensors += 1
+                stats.tensor_bytes += size
+                piece(f, crc)
+                if (off, size) == f.record and off in records:
+                    check_crc(cf.path, records[off], crc)
+                    checked.add(off)
+                src = torch.empty(0, dtype=f.source.dtype).set_(host.untyped_storage(), first,
+                                                                  f.source.shape, f.source.stride)
+                with torch.no_grad():
+                    f.target.copy_(src)
+    except Exception as e:
+        if not meshes:
+            raise
+        error = e  # the other ranks of the meshes are told in the exchange, so that all raise
+    if meshes:
+        merged = exchange(cf.path, meshes, pieces, error)
+        for off, i in combined.items():
+            if off in checked:
+                continue
+            r = records[off]
+            crc = combined_crc(off, r.size, merged[i].get(off, []))
+            if crc is not None:  # else the ranks' rows leave a gap: checked whole below
+                check_crc(cf.path, r, crc)
                 checked.add(off)
-            src = torch.empty(0, dtype=f.source.dtype).set_(host.untyped_storage(), f.source.storage_offset,
-                                                              f.source.shape, f.source.stride)
-            with torch.no_grad():
-                f.target.copy_(src)
     if view is not None:  # records only partly read into targets are checked whole here
         rest = [r for off, r in records.items() if off not in checked]
         if rest:
+            stats.check_bytes += sum(r.size for r in rest)
             check_storages(cf, view, rest)
 
 

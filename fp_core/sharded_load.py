@@ -1,0 +1,147 @@
+"""``load_into`` a DTensor state from one file of the full state, on any number of ranks.
+
+A file of the full state (``layout="file"``, or plain ``torch.save`` of a full state dict)
+holds each tensor whole. A target DTensor placed ``Shard(0)`` and ``Replicate()`` on its
+mesh's dimensions (FSDP2, HSDP, any mesh: the ranks need not be those that saved) holds
+rows ``[r0, r0 + n)`` of it, where DTensor's own layout says (``r0`` from
+``compute_local_shape_and_global_offset``): in a row-major saved tensor those rows are one
+byte range, which is all this rank reads, straight into the local shard's memory. Nothing
+is gathered; no rank reads another rank's rows.
+
+With ``verify=True`` each rank checksums only the bytes it reads, so a storage's CRC-32C
+is put together from the pieces of the ranks of the DTensor's mesh: one piece per byte,
+from the replica at coordinate 0 of each ``Replicate()`` dimension (the others read the
+same bytes, and counting them twice would break the combine), all-gathered over the mesh
+and combined (CRC-32C values combine) against the manifest's. A storage the pieces do not
+tile exactly (a saved view that is not the whole storage, or is not row-major) is checked
+whole by every rank instead. A rank whose read fails tells the others in the same
+all-gather, so every rank raises rather than some waiting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import _native
+from .sharded import dtensor_type
+
+
+@dataclass
+class LoadIntoStats:
+    """What one ``load_into`` read from the file (pass one as ``stats=`` to have it filled)."""
+
+    tensor_bytes: int = 0  # read into the targets' tensors (for a DTensor: its local shard only)
+    check_bytes: int = 0  # read only to be checked (``verify``: storages not read whole into a target)
+    tensors: int = 0  # target tensors filled from the file (a DTensor counts once, by its local shard)
+    whole_file: bool = False  # read whole by torch's loader (no offsets to read from), then copied
+
+    @property
+    def bytes_read(self) -> int:
+        return self.tensor_bytes + self.check_bytes
+
+
+@dataclass(frozen=True)
+class LocalRows:
+    """The rows of the full tensor a DTensor's local shard holds, on this rank."""
+
+    local: torch.Tensor  # the local shard (``to_local()``: its storage is the DTensor's)
+    start: int  # first row in the full tensor
+    shape: tuple[int, ...]  # of the local shard
+    contributes: bool  # this rank's bytes are the ones counted in a combined checksum
+    mesh: Any  # DeviceMesh
+
+
+def is_dtensor(x: Any) -> bool:
+    kind = dtensor_type()
+    return kind is not None and isinstance(x, kind)
+
+
+def local_rows(dt: Any, key: str) -> LocalRows:
+    """Where ``dt``'s local shard lies in its full tensor; ``ValueError`` naming ``key`` and
+    the placement for any placement other than ``Shard(0)`` and ``Replicate()`` (their
+    shards are not row ranges of the saved tensor)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for p in dt.placements:
+        ok = isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, _StridedShard)
+                                          and p.dim == 0 and dt.ndim > 0)
+        if not ok:
+            raise ValueError(f"load_into: {key or 'the tensor'} is a DTensor placed {p!r} (placements "
+                             f"{tuple(dt.placements)}): only Shard(0) and Replicate() are read from one file")
+    mesh = dt.device_mesh
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+    with torch.no_grad():  # the local shard itself, not an autograd view of it
+        local = dt.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise ValueError(f"load_into: {key or 'the tensor'}: the DTensor's local shard is {tuple(local.shape)}, "
+                         f"its placements {tuple(dt.placements)} on its mesh say {tuple(shape)}")
+    coord = mesh.get_coordinate()
+    contributes = coord is not None and all(c == 0 for c, p in zip(coord, dt.placements) if isinstance(p, Replicate))
+    return LocalRows(local, offset[0] if dt.ndim else 0, tuple(shape), contributes, mesh)
+
+
+def _group(mesh: Any) -> Any:
+    """A process group of every rank of ``mesh``."""
+    import torch.distributed as dist
+
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
+
+
+Pieces = dict[int, list[tuple[int, int, int]]]  # record offset -> [(file offset, length, CRC-32C)]
+
+
+def exchange(path: str, meshes: list[Any], pieces: list[Pieces], error: BaseException | None) -> list[Pieces]:
+    """All-gather over each mesh (in the order given, the same on every rank) this rank's
+    pieces of the records of that mesh's DTensors (``pieces[i]`` for ``meshes[i]``), and
+    whether its reads failed; raises on every rank where any failed. Returns, per mesh,
+    the pieces of all its ranks merged."""
+    import torch.distributed as dist
+
+    out = []
+    failed: list[str] = []
+    for mesh, mine in zip(meshes, pieces):
+        sent = {"pieces": mine, "error": None if error is None else f"{type(error).__name__}: {error}"}
+        if mesh.size() == 1:
+            got = [sent]
+        else:
+            got = [None] * mesh.size()
+            dist.all_gather_object(got, sent, group=_group(mesh))
+        merged: Pieces = {}
+        for r, g in enumerate(got):
+            if g["error"] is not None and not failed:
+                failed.append(f"rank {mesh.mesh.flatten().tolist()[r]} of the mesh: {g['error']}")
+            for rec, ps in g["pieces"].items():
+                merged.setdefault(rec, []).extend(ps)
+        out.append(merged)
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"load_into: {path}: another rank's read failed, so this rank's is not complete: "
+                           f"{failed[0]}")
+    return out
+
+
+def combined_crc(start: int, size: int, pieces: list[tuple[int, int, int]]) -> int | None:
+    """The CRC-32C of the record ``[start, start + size)`` from pieces that tile it (the same
+    piece twice counted once: tied tensors); None where they leave a gap or overlap."""
+    crc, pos = 0, start
+    for off, n, c in sorted(set(pieces)):
+        if off != pos:
+            return None
+        crc = _native.crc32c_combine(crc, c, n) if pos != start else c
+        pos += n
+    if pos != start + size:
+        return None
+    return crc
+
+
+__all__ = ["LoadIntoStats", "LocalRows", "combined_crc", "exchange", "is_dtensor", "local_rows"]
