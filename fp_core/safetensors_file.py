@@ -7,6 +7,24 @@ file exactly). A file FastPersist wrote carries a CRC-32C of every tensor and of
 header itself (:mod:`fp_core.safetensors_plan`); one written by another tool has none,
 and only its structure can be checked.
 
+Whose checksums? A header with any of FastPersist's keys (``fastpersist.crc32c``,
+``fastpersist.header_crc32c``, ``fastpersist.file_size``) claims them. They are taken for
+this file's own, and every one of them must check (a missing key, a header CRC or a file
+size that does not match is damage: :class:`CorruptCheckpointError`), unless the header's
+*layout* shows that another tool wrote it around metadata copied from a FastPersist file.
+FastPersist's layout is what damage to the header's text cannot change:
+
+* the data starts on a multiple of :data:`LAYOUT_ALIGNMENT` bytes (the JSON padded with
+  spaces; safetensors' own writer pads to 8). The header's length prefix says where, and
+  the structure check above has already tied it to the tensors and the file's end;
+* FastPersist's keys, those present, are the last ones of ``__metadata__``, in the order
+  it writes them (positions, which a damaged byte in a key's name or value does not move;
+  safetensors' writer keeps metadata in a hash map, in no fixed order).
+
+So a damaged key name, a damaged digit of ``fastpersist.file_size`` or of the header CRC
+in a file FastPersist wrote is always reported; a copy is reported as damage only in the
+rare case where its layout happens to be FastPersist's (a false alarm, never a miss).
+
 Every function takes an open :class:`fp_core.integrity.CheckpointFile` (its ``pread``,
 ``crc``, ``crcs_of_ranges``): the check and the load read the same inode.
 """
@@ -24,9 +42,20 @@ from typing import Any
 import torch
 
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
-from .safetensors_plan import _DTYPES, CRC_KEY, HEADER_CRC_KEY, SIZE_KEY, ZERO_CRC, crc_order, header_crc_span
+from .safetensors_plan import (
+    _DTYPES,
+    CRC_KEY,
+    HEADER_CRC_KEY,
+    LAYOUT_ALIGNMENT,
+    SIZE_KEY,
+    ZERO_CRC,
+    crc_order,
+    header_crc_span,
+)
 
 HEADER = "<safetensors header>"
+# FastPersist's keys in the order it writes them, last in __metadata__
+_OUR_KEYS = (CRC_KEY, HEADER_CRC_KEY, SIZE_KEY)
 MAX_HEADER = 100_000_000  # safetensors' own limit on the header's length
 SUFFIX = ".safetensors"
 _TORCH = {code: dtype for dtype, code in _DTYPES.items()}
@@ -123,24 +152,31 @@ def _uints(v: Any) -> bool:
 
 
 def _read_checksums(cf: Any, h: Header, raw: bytes) -> None:
-    """FastPersist's CRCs from the metadata, when they belong to this file: its header's
-    CRC checked, each tensor given its own."""
+    """FastPersist's CRCs from the metadata, when they belong to this file (see the module
+    doc): its header's CRC and size checked, each tensor given its own."""
     meta, path = h.metadata, cf.path
-    if CRC_KEY not in meta and HEADER_CRC_KEY not in meta:
+    if not any(k in meta for k in _OUR_KEYS):
         return
+    if not _our_layout(h):
+        h.note = ("its FastPersist checksums belong to another file (metadata copied into a file another tool "
+                  "laid out)")
+        return
+    missing = [k for k in _OUR_KEYS if k not in meta]
+    if missing:
+        raise CorruptCheckpointError(path, HEADER, f"{', '.join(missing)} missing beside FastPersist's other "
+                                     "checksum keys (a damaged key name?)")
     at = header_crc_span(raw)
-    if meta.get(SIZE_KEY) != str(cf.size) or at is None:
-        # FastPersist's keys in a file of another size or layout: metadata copied into a
-        # file another tool wrote (a damaged size is caught by the structure above)
-        h.note = "its FastPersist checksums belong to another file (metadata copied)"
-        return
+    if at is None:
+        raise CorruptCheckpointError(path, HEADER, f"{HEADER_CRC_KEY} appears more than once")
     head = bytearray(cf.pread(0, h.data_start))
-    want = meta.get(HEADER_CRC_KEY, "")
+    want = meta[HEADER_CRC_KEY]
     head[8 + at:8 + at + 8] = ZERO_CRC.encode()
     got = f"{_crc(bytes(head)):08x}"
     if got != want:
         raise CorruptCheckpointError(path, HEADER, f"CRC-32C {got}, expected {want[:8]}")
-    digits = meta.get(CRC_KEY, "")
+    if meta[SIZE_KEY] != str(cf.size):  # under the CRC: a writer's error, not damage
+        raise CorruptCheckpointError(path, HEADER, f"{SIZE_KEY} is {meta[SIZE_KEY][:24]}, the file {cf.size} bytes")
+    digits = meta[CRC_KEY]
     if len(digits) != 8 * len(h.tensors):
         raise CorruptCheckpointError(path, HEADER, f"{len(digits) // 8} checksums for {len(h.tensors)} tensors")
     try:
@@ -149,6 +185,17 @@ def _read_checksums(cf: Any, h: Header, raw: bytes) -> None:
     except ValueError:
         raise CorruptCheckpointError(path, HEADER, f"{CRC_KEY} is not hexadecimal") from None
     h.checksums = True
+
+
+def _our_layout(h: Header) -> bool:
+    """The header is laid out as FastPersist writes it: data aligned, FastPersist's keys
+    (those present) last in ``__metadata__`` and in order. Positions and lengths only: a
+    damaged byte in the header's text changes neither (see the module doc)."""
+    if h.data_start % LAYOUT_ALIGNMENT:
+        return False
+    keys = list(h.metadata)
+    tail = len(keys) - len(_OUR_KEYS)
+    return all(keys.index(k) == tail + i for i, k in enumerate(_OUR_KEYS) if k in h.metadata)
 
 
 def _crc(data: bytes) -> int:

@@ -2,8 +2,9 @@
 
 The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header
 length, a JSON header, then the tensors' raw bytes packed in header order. The header is
-padded with spaces (allowed by the format) so the data begins on a block boundary, which
-keeps the bulk of the file in whole O_DIRECT blocks.
+padded with spaces (allowed by the format) so the data begins on a block boundary (a
+multiple of :data:`LAYOUT_ALIGNMENT`), which keeps the bulk of the file in whole O_DIRECT
+blocks.
 
 Every byte is checksummed, in the header's ``__metadata__`` (string values, as the format
 wants; safetensors and ``from_pretrained`` ignore keys they do not know):
@@ -12,8 +13,12 @@ wants; safetensors and ``from_pretrained`` ignore keys they do not know):
   tensors in file order (by their data offsets, then name);
 * ``fastpersist.header_crc32c``: the CRC-32C of the whole header (the length, the JSON and
   its padding, up to the data) with these 8 digits read as ``00000000``;
-* ``fastpersist.file_size``: the file's size (metadata copied into a file another tool
-  wrote does not pass for this file's checksums).
+* ``fastpersist.file_size``: the file's size.
+
+These three are the last keys of ``__metadata__``, in this order (any the caller passes,
+copied from another file, are dropped), and the data starts on a block boundary: the
+layout by which :mod:`fp_core.safetensors_file` tells a header FastPersist wrote (whose
+checksums must all check) from metadata copied into a file another tool wrote.
 
 The CRCs are known only once the tensors are written, and the header comes first: it is
 laid out with ``0`` digits (the same width), written with the body, and written again with
@@ -39,6 +44,9 @@ CRC_KEY = "fastpersist.crc32c"
 HEADER_CRC_KEY = "fastpersist.header_crc32c"
 SIZE_KEY = "fastpersist.file_size"
 ZERO_CRC = "00000000"
+# the data starts on a multiple of this: part of the layout that tells FastPersist's
+# headers from another tool's (fp_core.safetensors_file)
+LAYOUT_ALIGNMENT = 4096
 
 
 def crc_order(entries: dict[str, tuple[int, int]]) -> list[str]:
@@ -118,7 +126,12 @@ def build_safetensors(tensors: Any, alignment: int, metadata: dict[str, str] | N
                                                 for k, v in tensors.items()):
         raise TypeError("safetensors format takes a flat dict of {str: torch.Tensor}")
     seen: dict[tuple[torch.device, int], str] = {}
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    if alignment % LAYOUT_ALIGNMENT:
+        raise ValueError(f"a safetensors file's data starts on a multiple of {LAYOUT_ALIGNMENT} bytes, not "
+                         f"{alignment}")
+    # the caller's copy of FastPersist's keys (another file's) goes: ours come last, in order
+    ours = (CRC_KEY, HEADER_CRC_KEY, SIZE_KEY)
+    meta = {str(k): str(v) for k, v in (metadata or {}).items() if str(k) not in ours}
     meta.setdefault("format", "pt")
     header: dict[str, Any] = {"__metadata__": meta}
     views: list[tuple[str, torch.Tensor]] = []

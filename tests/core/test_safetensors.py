@@ -191,3 +191,48 @@ def test_json_and_foreign_files(disk_dir):
         assert out.returncode == 3 and "not a FastPersist checkpoint" in out.stderr, out
     out = _cli("verify", stock, good, bad)  # damage outranks "not ours"
     assert out.returncode == 1, out
+
+
+@pytest.mark.parametrize("where", ["header_crc32c key", "file_size digit", "crc32c key", "file_size key",
+                                   "header_crc32c digit"])
+def test_damage_to_our_checksum_keys_is_not_taken_for_copied_metadata(disk_dir, where):
+    """One damaged byte in FastPersist's own keys (a key's name, a digit of the file size or
+    of the header CRC) is damage: the header's layout is still FastPersist's, so the keys
+    are not mistaken for metadata another tool copied (which would leave the file unchecked)."""
+    path = os.path.join(disk_dir, "model.safetensors")
+    fp_core.save(_tensors(), path, format="safetensors")
+    data = open(path, "rb").read()
+    if where.endswith(" key"):  # a letter of the name: header_crc32c -> Header_crc32c and the like
+        at = data.index(b'"fastpersist.' + where[:-4].encode() + b'"') + len(b'"fastpersist.')
+        flip_byte(path, at, 0x20)
+    else:  # a digit of the value: still a digit
+        key = where[:-6].encode()
+        at = data.index(b'"fastpersist.' + key + b'":"') + len(b'"fastpersist.' + key + b'":"')
+        flip_byte(path, at + 1, 0x01)
+    with pytest.raises(fp_core.CorruptCheckpointError, match="safetensors header") as ei:
+        fp_core.verify(path)
+    assert ei.value.path == path
+    for verify in ("auto", False):  # the header is checked on every load
+        with pytest.raises(fp_core.CorruptCheckpointError):
+            fp_core.load(path, verify=verify)
+    out = _cli("verify", path)
+    assert out.returncode == 1 and "FAIL" in out.stderr and "no checksums" not in out.stdout, out
+
+
+def test_fastpersist_metadata_passed_back_to_a_save_is_replaced(disk_dir):
+    """Metadata read from a FastPersist file (safetensors returns it in no fixed order) and
+    given to another FastPersist save: the new file carries its own checksums, all checked."""
+    from safetensors import safe_open
+
+    first, second = os.path.join(disk_dir, "a.safetensors"), os.path.join(disk_dir, "b.safetensors")
+    tensors = _tensors()
+    fp_core.save(tensors, first, format="safetensors", metadata={"epoch": "1"})
+    with safe_open(first, "pt") as f:
+        meta = f.metadata()
+    tensors["norm"] = tensors["norm"] + 1
+    fp_core.save(tensors, second, format="safetensors", metadata=meta)
+    with safe_open(second, "pt") as f:
+        got = f.metadata()
+    assert got["epoch"] == "1" and got["fastpersist.crc32c"] != meta["fastpersist.crc32c"]
+    report = fp_core.verify(second)
+    assert report["checksums"] and "note" not in report
