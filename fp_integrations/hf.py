@@ -139,6 +139,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
+from fp_core import checkpoint_dir as fp_checkpoint_dir
 from fp_core import commit as fp_commit
 from fp_core import distributed as fp_dist
 from fp_core import remote as fp_remote
@@ -771,6 +772,9 @@ class FastPersistCallback(TrainerCallback):
         if should_save:
             try:
                 if ok:
+                    # every rank's files are final and synced (the handles, the fsyncs, the
+                    # agreement): list them, so a file lost later is found missing on verify
+                    fp_checkpoint_dir.write_dir_manifest(rec.staging)
                     fp_commit.publish_dir(rec.staging, rec.path)
                 else:
                     shutil.rmtree(rec.staging, ignore_errors=True)
@@ -829,8 +833,11 @@ def verify_checkpoint_dir(path: str) -> int:
     ``scaler.pt``) byte for byte, safetensors files against the checksums FastPersist
     writes into their header (a file written by another tool: its structure, as
     safetensors' own parser checks it), JSON files must parse, FSDP's sharded DCP
-    directories rank file by rank file. Raises :class:`fp_core.CorruptCheckpointError`
-    naming the file and the damaged record or tensor. Returns the number of files checked
+    directories rank file by rank file. A directory the callback committed lists its files
+    (:data:`fp_core.checkpoint_dir.DIR_MANIFEST`): one of them missing or of another size
+    (``optimizer.pt`` deleted: the Trainer would resume with a fresh optimizer) is refused
+    too. Raises :class:`fp_core.CorruptCheckpointError` naming the file and the damaged
+    record or tensor. Returns the number of files checked
     (0 for a directory in which nothing carries FastPersist's checksums: written by the
     Trainer alone, its structure checked).
     """

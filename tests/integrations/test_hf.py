@@ -37,12 +37,14 @@ from transformers import (  # noqa: E402
 )
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
+from fp_core.checkpoint_dir import DIR_MANIFEST, read_dir_manifest  # noqa: E402
 from fp_core.pipeline import AsyncCheckpointer  # noqa: E402
 from fp_integrations.hf import STAGING_PREFIX, FastPersistCallback, intercept_safetensors_writes  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/integrations/ -> repo
 CKPT_FILES = {"config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
               "trainer_state.json", "training_args.bin"}
+FP_CKPT_FILES = CKPT_FILES | {DIR_MANIFEST}  # the callback's checkpoint-N also lists its files
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -96,7 +98,8 @@ def checkpoints(out):
 
 
 def listing(out):
-    return {c: sorted(os.listdir(os.path.join(out, c))) for c in checkpoints(out)}
+    """Each checkpoint's files, FastPersist's directory manifest left out (stock has none)."""
+    return {c: sorted(n for n in os.listdir(os.path.join(out, c)) if n != DIR_MANIFEST) for c in checkpoints(out)}
 
 
 def state_equal(a, b):
@@ -149,6 +152,7 @@ def test_file_set_and_contents_match_stock(tmp_path):
     assert cb.active and [r.ok for r in cb.records] == [True, True, True]
     assert listing(tmp_path / "fp") == listing(tmp_path / "stock")
     assert set(listing(tmp_path / "fp")["checkpoint-6"]) == CKPT_FILES
+    assert all(set(os.listdir(tmp_path / "fp" / c)) == FP_CKPT_FILES for c in checkpoints(tmp_path / "fp"))
     assert no_staging(tmp_path / "fp")
     for c in checkpoints(tmp_path / "fp"):
         a, b = tmp_path / "stock" / c, tmp_path / "fp" / c
@@ -388,7 +392,7 @@ def test_attach_explicitly_and_add_callback(tmp_path):
     t.add_callback(cb)
     t.train()
     assert cb.active and [r.ok for r in cb.records] == [True]
-    assert set(os.listdir(tmp_path / "o" / "checkpoint-2")) == CKPT_FILES
+    assert set(os.listdir(tmp_path / "o" / "checkpoint-2")) == FP_CKPT_FILES
 
 
 DIST_SCRIPT = textwrap.dedent("""
@@ -444,7 +448,9 @@ def test_torchrun_two_cpu_processes(tmp_path, all_ranks_write):
     res = [json.loads((out / f"result_{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world"] == 2 and r["records"] == [True] for r in res)
     files = set(res[0]["files"])
-    assert files == (CKPT_FILES - {"rng_state.pth"}) | {"rng_state_0.pth", "rng_state_1.pth"}
+    assert files == (FP_CKPT_FILES - {"rng_state.pth"}) | {"rng_state_0.pth", "rng_state_1.pth"}
+    # rank 0 lists the files of both ranks, once both have synced theirs
+    assert set(read_dir_manifest(out / "checkpoint-6")["files"]) == files - {DIR_MANIFEST}
     assert checkpoints(out) == ["checkpoint-3", "checkpoint-6"]
     assert set(os.listdir(out / "checkpoint-3")) == files
     assert no_staging(out)
@@ -521,6 +527,9 @@ def test_resume_from_legacy_format_optimizer_and_scheduler(tmp_path):
         obj = torch.load(ck / name, weights_only=False)
         torch.save(obj, ck / name, _use_new_zipfile_serialization=False)
         assert not zipfile.is_zipfile(ck / name)
+    # files of another size than the callback listed are refused (test_a_file_missing_...):
+    # a directory of legacy files is one another tool wrote, without the callback's manifest
+    os.remove(ck / DIR_MANIFEST)
     t2, _ = make_trainer(tmp_path / "o", fp=True, max_steps=4)
     t2.train(resume_from_checkpoint=str(ck))
     assert t2.state.global_step == 4
@@ -552,7 +561,7 @@ def test_on_save_callbacks_find_the_checkpoint_committed(tmp_path, wait_on_save)
                          cb_kwargs={"wait_on_save": wait_on_save})
     t.train()
     if wait_on_save == "auto":
-        assert reader.seen == [sorted(CKPT_FILES)] * 2
+        assert reader.seen == [sorted(FP_CKPT_FILES)] * 2
     assert checkpoints(tmp_path / "o") == ["checkpoint-2", "checkpoint-4"]
 
 
@@ -660,3 +669,45 @@ def test_fastpersist_verify_of_the_callbacks_checkpoint_directory(tmp_path):
     out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "verify", str(ck)], capture_output=True,
                          text=True, timeout=300, env=env)
     assert out.returncode == 1 and weight["tensor"] in out.stderr, out
+
+
+def test_a_file_missing_from_the_callbacks_checkpoint_is_found(tmp_path):
+    """The callback lists checkpoint-N's files and sizes in a directory manifest, so a file
+    lost after the commit is found: optimizer.pt deleted (the Trainer would resume with a
+    fresh optimizer) by fp_core.verify, `fastpersist verify` and the resume check;
+    trainer_state.json rewritten to another length (JSON carries no checksums of its own).
+    A file added after the commit is reported as extra, not as damage."""
+    from fp_integrations.hf import verify_checkpoint_dir
+
+    first, _ = make_trainer(tmp_path, fp=True, max_steps=4, save_steps=2)
+    first.train()
+    ck2, ck4 = tmp_path / "checkpoint-2", tmp_path / "checkpoint-4"
+    listed = read_dir_manifest(ck4)
+    assert set(listed["files"]) == CKPT_FILES and listed["dirs"] == []
+    assert listed["files"]["optimizer.pt"] == os.path.getsize(ck4 / "optimizer.pt")
+    report = fp_core.verify(ck4)
+    assert report["manifest"] and report["extra"] == []
+    (ck4 / "notes.txt").write_text("added by a callback after the commit")
+    report = fp_core.verify(ck4)
+    assert report["extra"] == ["notes.txt"] and "notes.txt" in report["unchecked"]
+
+    os.remove(ck4 / "optimizer.pt")
+    with pytest.raises(fp_core.CorruptCheckpointError,
+                       match="missing: optimizer.pt, listed in the directory manifest") as ei:
+        fp_core.verify(ck4)
+    assert ei.value.path == str(ck4) and ei.value.record == "optimizer.pt"
+    with pytest.raises(fp_core.CorruptCheckpointError, match="missing: optimizer.pt.*refusing to resume"):
+        verify_checkpoint_dir(str(ck4))
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "verify", str(ck4)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 1 and "missing: optimizer.pt" in out.stderr and str(ck4) in out.stderr, out
+    second, _ = make_trainer(tmp_path, fp=True, max_steps=6, save_steps=2)
+    with pytest.raises(fp_core.CorruptCheckpointError, match="optimizer.pt"):
+        second.train(resume_from_checkpoint=True)
+
+    state = json.loads((ck2 / "trainer_state.json").read_text())
+    (ck2 / "trainer_state.json").write_text(json.dumps(state))  # still JSON, another length
+    with pytest.raises(fp_core.CorruptCheckpointError, match="listed in the directory manifest") as ei:
+        fp_core.verify(ck2)
+    assert ei.value.path == str(ck2 / "trainer_state.json")
