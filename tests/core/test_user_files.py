@@ -172,13 +172,19 @@ def test_the_temporary_file_is_made_beside_the_file_the_link_names(disk_dir, mou
         assert os.path.islink(link) and torch.equal(torch.load(target)["w"], sd(5.0, 1 << 20)["w"])
 
 
-def test_a_checkpoint_directory_named_through_a_symlink_is_replaced_where_it_points(disk_dir):
-    runs = os.path.join(disk_dir, "runs")
-    os.makedirs(os.path.join(runs, "checkpoint-8"))
-    with open(os.path.join(runs, "checkpoint-8", "old"), "w") as f:
+def _dir_behind_link(d: str, name: str) -> tuple[str, str]:
+    """``d/runs/name/old`` and the link ``d/checkpoint-last -> runs/name``: (runs, link)."""
+    runs = os.path.join(d, "runs")
+    os.makedirs(os.path.join(runs, name))
+    with open(os.path.join(runs, name, "old"), "w") as f:
         f.write("old")
-    link = os.path.join(disk_dir, "checkpoint-last")
-    os.symlink(os.path.join("runs", "checkpoint-8"), link)
+    link = os.path.join(d, "checkpoint-last")
+    os.symlink(os.path.join("runs", name), link)
+    return runs, link
+
+
+def test_a_checkpoint_directory_named_through_a_symlink_is_replaced_where_it_points(disk_dir):
+    runs, link = _dir_behind_link(disk_dir, "checkpoint-8")
     staging = os.path.join(disk_dir, ".staging")
     os.makedirs(staging)
     with open(os.path.join(staging, "new"), "w") as f:
@@ -553,12 +559,7 @@ def test_a_link_planted_by_another_user_in_a_sticky_directory_is_not_followed(sh
 def test_a_crash_between_the_renames_behind_a_link_is_undone_where_the_link_points(disk_dir):
     """publish_dir set the directory the link names aside and died before the second
     rename: recover_dir of the link's name puts it back (it looks beside the target)."""
-    runs = os.path.join(disk_dir, "runs")
-    os.makedirs(os.path.join(runs, "ck"))
-    with open(os.path.join(runs, "ck", "old"), "w") as f:
-        f.write("old")
-    link = os.path.join(disk_dir, "checkpoint-last")
-    os.symlink(os.path.join("runs", "ck"), link)
+    runs, link = _dir_behind_link(disk_dir, "ck")
     os.rename(os.path.join(runs, "ck"), os.path.join(runs, commit.REPLACED_PREFIX + "ck"))  # the first rename
     commit.recover_dir(link)
     assert os.listdir(link) == ["old"] and os.listdir(runs) == ["ck"]

@@ -6,7 +6,6 @@ each rank reports to DIR/result<RANK>.json, rank 0 to DIR/result.json as well.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -16,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from rank_report import report_and_exit  # noqa: E402
+
 import fp_core  # noqa: E402
 import fp_core.distributed  # noqa: E402
 from fp_core import _native  # noqa: E402
@@ -153,10 +154,7 @@ def main() -> None:
         result["ok"] = True
     except BaseException as e:  # noqa: BLE001 - reported to the test
         result.update(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
-    for name in [f"result{rank}.json"] + (["result.json"] if rank == 0 else []):
-        with open(os.path.join(d, name), "w") as f:
-            json.dump(result, f)
-    os._exit(0)  # skip destroy_process_group: a dead peer would make it hang
+    report_and_exit(d, rank, result)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ resumed from FILE, saved by the test process from ``trained()``).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -23,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from rank_report import report_and_exit  # noqa: E402
 from sharded_file_worker import full_state, local_bytes, sharded_state  # noqa: E402
 
 import fp_core  # noqa: E402
@@ -193,10 +193,7 @@ def main() -> None:
         result["ok"] = True
     except BaseException as e:  # noqa: BLE001 - reported to the test
         result.update(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
-    for name in [f"result{rank}.json"] + (["result.json"] if rank == 0 else []):
-        with open(os.path.join(d, name), "w") as f:
-            json.dump(result, f)
-    os._exit(0)  # skip destroy_process_group: a dead peer would make it hang
+    report_and_exit(d, rank, result)
 
 
 if __name__ == "__main__":
