@@ -22,8 +22,9 @@ Weights, optimizer, scheduler and scaler state go through ``fp_core.AsyncCheckpo
 the save returns promptly and the files are written while training goes on. The
 checkpoint is staged in ``output_dir/.fastpersist-staging-{step}`` (a name that neither
 ``checkpoint-*`` globbing nor the Trainer's ``^checkpoint-(\\d+)$`` regex picks up), every
-file is made durable, and only then is the directory renamed to ``checkpoint-{step}``
-and the parent directory fsync'ed. So ``resume_from_checkpoint=True`` only ever sees
+file is made durable, the list of its files and their sizes is written beside them
+(``.fastpersist-dir.json``: a verify or resume then finds a file that went missing), and
+only then is the directory renamed to ``checkpoint-{step}`` and the parent directory fsync'ed. So ``resume_from_checkpoint=True`` only ever sees
 complete checkpoints. ``save_total_limit`` rotation runs after that commit, on the
 background worker, choosing the same victims as stock's ``rotate_checkpoints`` but renaming
 each out of the ``checkpoint-*`` namespace before deleting it.

@@ -26,9 +26,10 @@ def test_fsdp2_sharded_checkpoints_through_fastpersist_resume_exactly(tmp_path):
                        timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]
     res = json.loads((tmp_path / "result.json").read_text())
-    # accelerate's stock layout for SHARDED_STATE_DICT (no config or safetensors, as stock)
-    assert res["files"] == ["optimizer_0", "pytorch_model_fsdp_0", "rng_state_0.pth", "rng_state_1.pth",
-                            "scheduler.pt", "trainer_state.json"]
+    # accelerate's stock layout for SHARDED_STATE_DICT (no config or safetensors, as stock),
+    # and FastPersist's list of the directory's files
+    assert res["files"] == [".fastpersist-dir.json", "optimizer_0", "pytorch_model_fsdp_0", "rng_state_0.pth",
+                            "rng_state_1.pth", "scheduler.pt", "trainer_state.json"]
     assert res["model_files"] == [".fastpersist-dcp.json", ".metadata", "__0_0.distcp",
                                   "__0_0.distcp.fastpersist.json", "__1_0.distcp", "__1_0.distcp.fastpersist.json"]
     assert res["checkpoints"] == ["checkpoint-2", "checkpoint-4"] and res["saves"] == [[2, True], [4, True]]
