@@ -33,7 +33,7 @@ import stat
 import time
 from collections.abc import Callable
 
-from . import _native, integrity
+from . import _native, commit, integrity
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 
 DIR_MANIFEST = ".fastpersist-dir.json"
@@ -93,15 +93,7 @@ def write_dir_manifest(staging: str | os.PathLike) -> dict:
     dirs.sort()
     doc = {"format": DIR_MANIFEST_FORMAT, "files": files, "dirs": dirs, "crc32c": _manifest_crc(files, dirs)}
     data = json.dumps(doc, separators=(",", ":")).encode()
-    fd = os.open(os.path.join(d, DIR_MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    commit.write_durably(os.path.join(d, DIR_MANIFEST), data)
     return doc
 
 

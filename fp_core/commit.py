@@ -75,6 +75,19 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
+def write_durably(path: str, data: bytes) -> None:
+    """Write ``data`` as the whole of the file ``path`` (created 0666 less the umask, never
+    through a symlink) and fsync it: a small file of a checkpoint directory being staged."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def hold(fd: int) -> int:
     """A duplicate of ``fd`` holding an exclusive ``flock`` on its file: while it is open,
     :func:`clean` in any process leaves the file alone. Close it to let go."""

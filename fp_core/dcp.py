@@ -356,12 +356,12 @@ class FastPersistWriter(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         buf = io.BytesIO()
         pickle.dump(metadata, buf)
-        _write_bytes(os.path.join(staging, METADATA), buf.getvalue())
+        commit.write_durably(os.path.join(staging, METADATA), buf.getvalue())
         # Which rank files make the checkpoint, and a checksum of each manifest and of
         # .metadata: a missing or swapped file is found, not just a damaged one.
         files = sorted({info.relative_path for info in storage_md.values()})
         for name, data in self.extra_files.items():
-            _write_bytes(os.path.join(staging, name), data)
+            commit.write_durably(os.path.join(staging, name), data)
         doc = {"format": FORMAT, "metadata_crc32c": f"{_native.crc32c(buf.getvalue()):08x}", "files": {
             name: f"{_native.crc32c(_read_small(os.path.join(staging, name + MANIFEST_SUFFIX))):08x}"
             for name in files}, "extra_files": {name: f"{_native.crc32c(data):08x}"
@@ -371,17 +371,6 @@ class FastPersistWriter(StorageWriter):
         # written and synced file by file, then the directory renamed and synced: all of it
         # is the commit's sync time
         self.stats["finish_seconds"] = time.perf_counter() - t0
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fdatasync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_regular(path: str, limit: int) -> bytes:
@@ -405,7 +394,7 @@ def _read_small(path: str, limit: int = 64 << 20) -> bytes:
 
 
 def _write_json(path: str, doc: dict) -> None:
-    _write_bytes(path, json.dumps(doc, separators=(",", ":")).encode())
+    commit.write_durably(path, json.dumps(doc, separators=(",", ":")).encode())
 
 
 # ---------------------------------------------------------------- reading
