@@ -12,6 +12,14 @@
 #include <string.h>
 
 static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* a child forked while another thread held it would never get it */
+static void faults_after_fork_in_child(void) { pthread_mutex_init(&fault_mu, NULL); }
+
+__attribute__((constructor)) static void faults_register_fork_handler(void)
+{
+    pthread_atfork(NULL, NULL, faults_after_fork_in_child);
+}
 static int fault_any;            /* fast-path flag, read atomically */
 static int fault_write_errno;    /* one-shot; 0 = disarmed */
 static ll fault_write_after;

@@ -29,6 +29,25 @@ static struct {
     unsigned gen;
 } pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, NULL, 0, 0, 0, 1};
 
+/* A child forked while one of the parent's threads held the pool (a copy thread of a
+ * write in flight) would wait on that lock forever, and could find the free list half
+ * updated: the child starts with an empty pool of its own.  The parent's buffers stay
+ * mapped in the child (copy-on-write) and are never handed out there. */
+static void pool_after_fork_in_child(void)
+{
+    pthread_mutex_init(&pool.mu, NULL);
+    pool.free_list = NULL;
+    pool.nfree = pool.cap = pool.total = 0;
+    pool.size = pool.align = 0;
+    if (++pool.gen == 0) /* 0 marks a private buffer */
+        pool.gen = 1;
+}
+
+__attribute__((constructor)) static void pool_register_fork_handler(void)
+{
+    pthread_atfork(NULL, NULL, pool_after_fork_in_child);
+}
+
 /* Staging buffers of 2 MiB and more are mapped 2 MiB-aligned and advised as
  * transparent huge pages.  O_DIRECT pins the buffer's pages for every request
  * and a virtual disk copies them out of guest memory: with 4 KiB pages that is

@@ -321,8 +321,9 @@ def test_a_directorys_default_acl_is_not_added_to_a_replaced_file_that_had_none(
     assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
 
 
-def _as_user(uid: int, fn) -> str:
-    """Run ``fn`` in a forked child that has become ``uid``; return what it reported."""
+def _as_user(uid: int, fn, timeout: float = 120) -> str:
+    """Run ``fn`` in a forked child that has become ``uid``; return what it reported. Build
+    large tensors before: torch's thread pool, used by the parent, does not survive a fork."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -337,7 +338,13 @@ def _as_user(uid: int, fn) -> str:
         os.write(w, msg.encode()[:60000])
         os._exit(0)
     os.close(w)
+    import select
+
     with os.fdopen(r, "rb") as f:
+        if not select.select([f], [], [], timeout)[0]:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return f"hung for {timeout} s"
         out = f.read().decode()
     os.waitpid(pid, 0)
     return out
@@ -589,7 +596,8 @@ def test_another_users_file_in_a_sticky_directory_is_refused_before_writing(shar
     p = os.path.join(shared_dir, "ckpt.pt")
     fp_core.save(sd(1.0), p)
     os.chmod(p, 0o666)
-    got = _as_user(65534, lambda: _outcome(lambda: fp_core.save(sd(2.0, 4 << 20), p)))
+    big = sd(2.0, 4 << 20)
+    got = _as_user(65534, lambda: _outcome(lambda: fp_core.save(big, p)))
     assert got.startswith("PermissionError errno=13") and "sticky" in got, got
     assert torch.equal(torch.load(p)["w"], sd(1.0)["w"]) and _leftovers(shared_dir) == []
 
@@ -624,3 +632,11 @@ def test_a_hard_linked_file_is_replaced_under_its_name_alone_with_a_warning(disk
         fp_core.save(sd(2.0), h1)
     assert any("hard links" in r.getMessage() and h1 in r.getMessage() for r in caplog.records)
     assert torch.load(h1)["step"] == 2 and torch.load(h2)["step"] == 1
+
+
+def test_children_forked_while_the_parent_writes_save_on_their_own(disk_dir):
+    """A child forked while one of the engine's threads held its staging pool would wait on
+    that lock forever (about one child in a hundred did): the child's pool starts anew."""
+    out = _exit_scenario("fork-during-write", disk_dir)
+    assert out["children"] and all(c == 0 for c in out["children"]), out
+    assert torch.load(os.path.join(disk_dir, "ckpt.pt"), mmap=True)["w"].shape == (128 << 20,)

@@ -99,6 +99,38 @@ def main() -> None:
         h.result()
         ckpt.close()
         out["child_status"] = os.waitstatus_to_exitcode(status)
+    elif scenario == "fork-during-write":
+        # Children forked again and again while the parent's engine writes (its copy threads
+        # take and return staging buffers all the time): each must save on its own, not
+        # wait forever on a lock one of the parent's threads held at the fork.
+        ckpt = fp_core.AsyncCheckpointer(policy="overlap")
+        h = ckpt.save({"w": torch.ones(128 << 20)}, path)  # 512 MiB
+        children: dict[int, float] = {}
+        statuses: list = []
+        while not h.done() or children:
+            if not h.done() and len(children) < 4:
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        fp_core.save({"w": torch.arange(1000.0)}, os.path.join(d, f"child-{os.getpid()}.pt"))
+                        os._exit(0)
+                    except BaseException:  # noqa: BLE001
+                        os._exit(2)
+                children[pid] = time.monotonic()
+            for pid, t0 in list(children.items()):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    statuses.append(os.waitstatus_to_exitcode(status))
+                    del children[pid]
+                elif time.monotonic() - t0 > 30:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    statuses.append("hung")
+                    del children[pid]
+            time.sleep(0.002)
+        h.result()
+        ckpt.close()
+        out["children"] = statuses
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     print(json.dumps(out), flush=True)
