@@ -47,10 +47,10 @@ def file_offsets(target: Any, path: str) -> dict[int, int]:
     seen: dict[int, int] = {}
     real = load_in_place._read_fills
 
-    def record(cf: Any, view: Any, fills: list, sizes: dict) -> None:
+    def record(cf: Any, view: Any, fills: list, *rest: Any) -> None:
         for f in fills:
             seen[id(f.target)] = f.offset
-        real(cf, view, fills, sizes)
+        real(cf, view, fills, *rest)
 
     load_in_place._read_fills = record
     try:
