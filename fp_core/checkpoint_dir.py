@@ -152,6 +152,13 @@ def read_dir_manifest(path: str | os.PathLike) -> dict | None:
     return {"files": files, "dirs": dirs}
 
 
+class DirectoryChangedError(CorruptCheckpointError):
+    """A file the directory manifest lists is missing, of another size or of another kind.
+    Damage, or an edit made on purpose after the commit (a model resharded, a file
+    rewritten): ``fastpersist verify`` reports it as damage; a resume warns and goes on
+    with the files that are there, as the stock Trainer would."""
+
+
 def _check_listed(d: str, listed: dict) -> None:
     """Every entry the manifest lists is there, what it was and (a file) of its size."""
     where = f"listed in the directory manifest ({DIR_MANIFEST})"
@@ -160,23 +167,23 @@ def _check_listed(d: str, listed: dict) -> None:
         try:
             st = os.lstat(p)
         except FileNotFoundError:
-            raise CorruptCheckpointError(d, name, f"missing: {name}, {where}") from None
+            raise DirectoryChangedError(d, name, f"missing: {name}, {where}") from None
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(p, name, f"not a regular file: {name} is a file {where}")
+            raise DirectoryChangedError(p, name, f"not a regular file: {name} is a file {where}")
         if st.st_size != size:
-            raise CorruptCheckpointError(p, name, f"{st.st_size} bytes, {size} {where} (truncated or replaced? "
+            raise DirectoryChangedError(p, name, f"{st.st_size} bytes, {size} {where} (truncated or replaced? "
                                          f"if it was replaced on purpose, remove {os.path.join(d, DIR_MANIFEST)})")
     for name in listed["dirs"]:
         p = os.path.join(d, name)
         try:
             st = os.lstat(p)
         except FileNotFoundError:
-            raise CorruptCheckpointError(d, name + "/", f"missing: the directory {name}, {where}") from None
+            raise DirectoryChangedError(d, name + "/", f"missing: the directory {name}, {where}") from None
         if not stat.S_ISDIR(st.st_mode):
-            raise CorruptCheckpointError(p, name + "/", f"not a directory: {name} is one {where}")
+            raise DirectoryChangedError(p, name + "/", f"not a directory: {name} is one {where}")
 
 
-def verify_dir(path: str | os.PathLike, verify_dcp: Callable[[str], dict]) -> dict:
+def verify_dir(path: str | os.PathLike, verify_dcp: Callable[[str], dict], *, check_listed: bool = True) -> dict:
     """Verify every file of the directory ``path`` (see the module doc); its sharded DCP
     subdirectories with ``verify_dcp`` (:func:`fp_core.dcp.verify_dir`, which hands a
     directory that is not DCP's here). Returns a report: ``files`` checked (a DCP directory
@@ -187,7 +194,7 @@ def verify_dir(path: str | os.PathLike, verify_dcp: Callable[[str], dict]) -> di
     t0 = time.perf_counter()
     d = os.fspath(path)
     listed = read_dir_manifest(d)
-    if listed is not None:  # before any file is read: a missing one is found at once
+    if listed is not None and check_listed:  # before any file is read: a missing one is found at once
         _check_listed(d, listed)
     reports: list[dict] = []
     unchecked: list[str] = []

@@ -148,7 +148,7 @@ from fp_core import retention
 from fp_core.commit import fsync_file
 from fp_core.pipeline import AsyncCheckpointer
 
-from ._policy import ErrorPolicy, checkpointer_options
+from ._policy import ErrorPolicy, FastPersistWarning, checkpointer_options
 
 log = logging.getLogger("fastpersist.hf")
 
@@ -836,16 +836,24 @@ def verify_checkpoint_dir(path: str) -> int:
     safetensors' own parser checks it), JSON files must parse, FSDP's sharded DCP
     directories rank file by rank file. A directory the callback committed lists its files
     (:data:`fp_core.checkpoint_dir.DIR_MANIFEST`): one of them missing or of another size
-    (``optimizer.pt`` deleted: the Trainer would resume with a fresh optimizer) is refused
-    too. Raises :class:`fp_core.CorruptCheckpointError` naming the file and the damaged
-    record or tensor. Returns the number of files checked
-    (0 for a directory in which nothing carries FastPersist's checksums: written by the
-    Trainer alone, its structure checked).
+    (``optimizer.pt`` deleted: the Trainer resumes with a fresh optimizer) is said in a
+    :class:`FastPersistWarning`, and the files that are there are checked: a checkpoint
+    edited on purpose (a model resharded, a file rewritten in another format) resumes as
+    with the stock Trainer. Raises :class:`fp_core.CorruptCheckpointError` naming the file
+    and the damaged record or tensor. Returns the number of files checked (0 for a
+    directory in which nothing carries FastPersist's checksums: written by the Trainer
+    alone, its structure checked).
     """
     from fp_core import CorruptCheckpointError, NotAFastPersistCheckpoint, verify
+    from fp_core.dcp import verify_dir as verify_dcp
 
     try:
-        return int(verify(path)["files"])
+        try:
+            return int(verify(path)["files"])
+        except fp_checkpoint_dir.DirectoryChangedError as e:
+            warnings.warn(f"{path} changed since FastPersist committed it: {e.detail}; resuming from the files "
+                          "that are there, as the stock Trainer would", FastPersistWarning, stacklevel=2)
+            return int(fp_checkpoint_dir.verify_dir(path, verify_dcp, check_listed=False)["files"])
     except NotAFastPersistCheckpoint:
         return 0
     except CorruptCheckpointError as e:

@@ -39,6 +39,7 @@ from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
 from fp_core.checkpoint_dir import DIR_MANIFEST, read_dir_manifest  # noqa: E402
 from fp_core.pipeline import AsyncCheckpointer  # noqa: E402
+from fp_integrations._policy import FastPersistWarning  # noqa: E402
 from fp_integrations.hf import STAGING_PREFIX, FastPersistCallback, intercept_safetensors_writes  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/integrations/ -> repo
@@ -696,15 +697,18 @@ def test_a_file_missing_from_the_callbacks_checkpoint_is_found(tmp_path):
                        match="missing: optimizer.pt, listed in the directory manifest") as ei:
         fp_core.verify(ck4)
     assert ei.value.path == str(ck4) and ei.value.record == "optimizer.pt"
-    with pytest.raises(fp_core.CorruptCheckpointError, match="missing: optimizer.pt.*refusing to resume"):
-        verify_checkpoint_dir(str(ck4))
+    # a resume says so, and goes on from the files that are there, as stock does (a
+    # checkpoint edited on purpose, e.g. a resharded model, must still resume)
+    with pytest.warns(FastPersistWarning, match="missing: optimizer.pt"):
+        assert verify_checkpoint_dir(str(ck4)) > 0
     env = dict(os.environ, PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "verify", str(ck4)], capture_output=True,
                          text=True, timeout=300, env=env)
     assert out.returncode == 1 and "missing: optimizer.pt" in out.stderr and str(ck4) in out.stderr, out
     second, _ = make_trainer(tmp_path, fp=True, max_steps=6, save_steps=2)
-    with pytest.raises(fp_core.CorruptCheckpointError, match="optimizer.pt"):
+    with pytest.warns(FastPersistWarning, match="missing: optimizer.pt"):
         second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 6
 
     state = json.loads((ck2 / "trainer_state.json").read_text())
     (ck2 / "trainer_state.json").write_text(json.dumps(state))  # still JSON, another length
