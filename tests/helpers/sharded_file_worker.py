@@ -9,13 +9,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from rank_report import report_and_exit  # noqa: E402
+from rank_report import reported  # noqa: E402
 
 import fp_core  # noqa: E402
 import fp_core.distributed  # noqa: E402
@@ -84,7 +83,7 @@ def main() -> None:
 
     result: dict = {"rank": rank}
     path = os.path.join(d, "full.pt")
-    try:
+    with reported(d, rank, result):
         if scenario in ("fsdp", "hsdp"):
             if scenario == "fsdp":
                 mesh = init_device_mesh("cpu", (world,))
@@ -151,10 +150,6 @@ def main() -> None:
             result.update(times=times)
         else:
             raise ValueError(scenario)
-        result["ok"] = True
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        result.update(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
-    report_and_exit(d, rank, result)
 
 
 if __name__ == "__main__":

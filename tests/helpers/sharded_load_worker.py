@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from rank_report import report_and_exit  # noqa: E402
+from rank_report import reported  # noqa: E402
 from sharded_file_worker import full_state, local_bytes, sharded_state  # noqa: E402
 
 import fp_core  # noqa: E402
@@ -153,7 +152,7 @@ def main() -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     result: dict = {"rank": rank}
-    try:
+    with reported(d, rank, result):
         if scenario == "hsdp":
             mesh = init_device_mesh("cpu", (2, world // 2))
             placements = [Replicate(), Shard(0)]
@@ -190,10 +189,6 @@ def main() -> None:
             result["unverified"] = refused(lambda: fp_core.load_into(target, bad))
         else:
             raise ValueError(scenario)
-        result["ok"] = True
-    except BaseException as e:  # noqa: BLE001 - reported to the test
-        result.update(ok=False, error=f"{type(e).__name__}: {e}", tb=traceback.format_exc())
-    report_and_exit(d, rank, result)
 
 
 if __name__ == "__main__":
