@@ -159,6 +159,9 @@ STAGING_PREFIX = ".fastpersist-staging-"
 # accelerate's sharded FSDP checkpoint: DCP directories of {"model": ...} and {"optimizer": ...}
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
 FSDP_OPTIMIZER_DIR = "optimizer_0"
+# accelerate's FULL_STATE_DICT checkpoint: the full model and optimizer state, torch.save files
+FSDP_FULL_MODEL_NAME = "pytorch_model_fsdp.bin"
+FSDP_FULL_OPTIMIZER_NAME = "optimizer.bin"
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
@@ -245,16 +248,24 @@ def _fsdp_fallback_reason(trainer: Any) -> str | None:
     plugin = _fsdp_plugin(trainer)
     if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
         return "FSDP1 is enabled (FastPersist saves FSDP2's sharded state)"
-    if "SHARDED_STATE_DICT" not in str(getattr(plugin, "state_dict_type", "")):
-        return f"FSDP with {plugin.state_dict_type} (FastPersist saves SHARDED_STATE_DICT)"
+    if not any(t in str(getattr(plugin, "state_dict_type", "")) for t in ("SHARDED_STATE_DICT", "FULL_STATE_DICT")):
+        return f"FSDP with {plugin.state_dict_type} (FastPersist saves SHARDED_STATE_DICT and FULL_STATE_DICT)"
     if hasattr(getattr(trainer, "model", None), "peft_config"):  # how accelerate tells a PEFT model
         return "a PEFT model under FSDP (accelerate saves only its adapter)"
     return None
 
 
-def _fsdp_state(trainer: Any) -> tuple[dict, dict | None]:
+def _fsdp_full(trainer: Any) -> bool:
+    """FSDP2 with FULL_STATE_DICT: stock gathers the full state to rank 0 for every save."""
+    plugin = _fsdp_plugin(trainer)
+    return plugin is not None and "FULL_STATE_DICT" in str(getattr(plugin, "state_dict_type", ""))
+
+
+def _fsdp_state(trainer: Any, *, optimizer: bool = True) -> tuple[dict, dict | None]:
     """The model's and optimizer's sharded (DTensor) state, as accelerate's
-    ``save_fsdp_model`` / ``save_fsdp_optimizer`` take it for SHARDED_STATE_DICT."""
+    ``save_fsdp_model`` / ``save_fsdp_optimizer`` take it for SHARDED_STATE_DICT. Under
+    FULL_STATE_DICT the same sharded state, never gathered: its keys are those of the full
+    state dict, and ``layout="file"`` writes the full tensors from every rank's rows."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -262,14 +273,134 @@ def _fsdp_state(trainer: Any) -> tuple[dict, dict | None]:
     )
 
     plugin = _fsdp_plugin(trainer)
-    options = StateDictOptions(full_state_dict=False,
-                               cpu_offload=bool(getattr(plugin.state_dict_config, "offload_to_cpu", False)),
-                               broadcast_from_rank0=bool(getattr(plugin.state_dict_config, "rank0_only", False)))
+    if _fsdp_full(trainer):
+        # accelerate sets offload_to_cpu / rank0_only for its gather; the local shards stay put
+        options = StateDictOptions(full_state_dict=False)
+    else:
+        options = StateDictOptions(full_state_dict=False,
+                                   cpu_offload=bool(getattr(plugin.state_dict_config, "offload_to_cpu", False)),
+                                   broadcast_from_rank0=bool(getattr(plugin.state_dict_config, "rank0_only", False)))
     model_sd = get_model_state_dict(trainer.model, options=options)
     optim_sd = None
-    if not trainer.args.save_only_model:
+    if optimizer and not trainer.args.save_only_model:
         optim_sd = get_optimizer_state_dict(trainer.model, trainer.optimizer, options=options)
     return model_sd, optim_sd
+
+
+@dataclass
+class _DoneSave:
+    """The handle of a save made inline (``result`` / ``exception`` as a SaveHandle's)."""
+
+    path: str
+    stats: Any = None
+    error: BaseException | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self.error
+
+    def result(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        return self.stats
+
+
+def _save_file_layout(ckptr: AsyncCheckpointer, obj: Any, path: str, **kw: Any) -> Any:
+    """Every rank's part of one file of the full state (``layout="file"``), collective."""
+    import inspect
+
+    if "layout" in inspect.signature(ckptr.save).parameters:
+        return ckptr.save(obj, path, layout="file", **kw)
+    # a core without the asynchronous one-file save: inline, after the queued work (whose
+    # collectives run on the same coordination group)
+    import fp_core
+
+    ckptr.wait()
+    return _DoneSave(path, fp_core.save(obj, path, layout="file", **kw))  # a failure: on every rank
+
+
+def _stand_ins(model_sd: dict) -> tuple[dict, Any]:
+    """``model_sd`` with every DTensor replaced by a plain tensor of its global shape and
+    dtype that holds no memory (what the stock gather would give, without the bytes). Each
+    key its own storage, as the gathered tensors are: ``save_pretrained`` then keeps and drops
+    the same keys as for stock's full state dict."""
+    from fp_core.sharded import dtensor_type
+    from fp_core.sharded_file import _Placeholders
+
+    kind = dtensor_type()
+    names = [k for k, v in model_sd.items() if kind is not None and isinstance(v, kind)]
+    sizes = [model_sd[k].numel() * model_sd[k].element_size() for k in names]
+    holes = _Placeholders(sizes)
+    out = dict(model_sd)
+    for i, (k, n) in enumerate(zip(names, sizes)):
+        out[k] = holes.tensor(i, model_sd[k].shape, model_sd[k].dtype, n)
+    return out, holes
+
+
+@contextlib.contextmanager
+def _record_safetensors_writes(calls: list) -> Iterator[None]:
+    """Within the block, ``save_pretrained``'s safetensors writes are recorded as
+    ``(filename, tensor names, metadata)`` and not written."""
+    import safetensors.torch as st_torch
+    import transformers.modeling_utils as mu
+
+    def _save_file(tensors: dict, filename: Any, metadata: dict | None = None) -> None:
+        calls.append((os.fspath(filename), list(tensors), dict(metadata or {})))
+
+    with _intercept_lock:
+        orig_mu = getattr(mu, "safe_save_file", None)
+        orig_st = st_torch.save_file
+        if orig_mu is not None:
+            mu.safe_save_file = _save_file
+        st_torch.save_file = _save_file
+        try:
+            yield
+        finally:
+            if orig_mu is not None:
+                mu.safe_save_file = orig_mu
+            st_torch.save_file = orig_st
+
+
+def _save_full_model(tr: Trainer, ckptr: AsyncCheckpointer, output_dir: str, model_sd: dict) -> list:
+    """The Trainer's ``save_model`` under FSDP2 FULL_STATE_DICT, with no gather.
+
+    The saving rank runs the Trainer's own ``_save`` (``save_pretrained``: tied weights,
+    weight conversions, shards and index, config, processing class, ``training_args.bin``)
+    on stand-ins of the full tensors, its safetensors writes recorded instead of done; the
+    ranks learn that list from it, then every rank writes its rows of each file
+    (``layout="file"``, same names, keys and metadata), in the same order. Returns the
+    handles of those saves. Every rank calls it (collective)."""
+    calls: list = []
+    if tr.args.should_save:
+        stand_ins, holes = _stand_ins(model_sd)
+        with _record_safetensors_writes(calls):
+            tr._save(output_dir, state_dict=stand_ins)
+        del stand_ins, holes
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        # the training group, on the training thread: the checkpointer's worker uses its own
+        box = [calls]
+        torch.distributed.broadcast_object_list(box, src=0)
+        calls = box[0]
+    handles = []
+    for filename, names, metadata in calls:
+        missing = [n for n in names if n not in model_sd]
+        if missing:  # a weight conversion on save renamed or merged tensors: no rows to write
+            raise ValueError(f"{filename}: save_pretrained writes {missing[:3]}, which the model's sharded "
+                             "state dict does not hold; FastPersist cannot write them from the shards")
+        tensors: dict = {}
+        seen: set[int] = set()
+        for n in names:
+            t = model_sd[n]
+            if id(t) in seen:
+                # tied weights: stock's gather gives each name a tensor of its own and
+                # save_pretrained keeps both; one file holds one tensor once per name
+                t = t.detach()
+            seen.add(id(t))
+            tensors[n] = t
+        handles.append(_save_file_layout(ckptr, tensors, filename, format="safetensors", metadata=metadata))
+    return handles
 
 
 def _find_trainer_on_stack(max_depth: int = 12) -> Trainer | None:
@@ -400,6 +531,8 @@ class FastPersistCallback(TrainerCallback):
             return self
         trainer._save_checkpoint = self._save_checkpoint  # instance attribute shadows the method
         trainer._load_from_checkpoint = self._load_from_checkpoint
+        if getattr(trainer, "is_fsdp_enabled", False) and _fsdp_full(trainer):
+            trainer.save_model = self._save_model  # stock gathers the full state to rank 0
         self._installed_on = trainer
         return self
 
@@ -412,9 +545,23 @@ class FastPersistCallback(TrainerCallback):
         # the trainer's own class: a subclass's override of the load is kept
         return type(self.trainer)._load_from_checkpoint(self.trainer, resume_from_checkpoint, model)
 
+    def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``trainer.save_model()`` under FSDP2 FULL_STATE_DICT: stock's files (safetensors,
+        config, processing class, training_args.bin) with every rank writing its rows of the
+        safetensors (no gather); each file appears whole under its name. Every rank calls it,
+        as the stock one; it returns once the files are durable."""
+        tr = self.trainer
+        output_dir = output_dir if output_dir is not None else tr.args.output_dir
+        self.wait()  # this save's collectives follow the earlier checkpoints' on every rank
+        model_sd, _ = _fsdp_state(tr, optimizer=False)
+        handles = _save_full_model(tr, self.checkpointer, output_dir, model_sd)
+        del model_sd
+        for h in handles:
+            h.result()
+
     def _uninstall(self) -> None:
         t = self._installed_on
-        for name in ("_save_checkpoint", "_load_from_checkpoint"):
+        for name in ("_save_checkpoint", "_load_from_checkpoint", "save_model"):
             if t is not None and t.__dict__.get(name) == getattr(self, name):
                 del t.__dict__[name]
         self._installed_on = None
@@ -609,7 +756,19 @@ class FastPersistCallback(TrainerCallback):
             os.makedirs(staging, exist_ok=True)
             ckptr = self.checkpointer
             fsdp = bool(getattr(tr, "is_fsdp_enabled", False))
-            if fsdp:
+            fsdp_full = fsdp and _fsdp_full(tr)
+            if fsdp_full:
+                # FSDP2, FULL_STATE_DICT: stock's files (model.safetensors + config from
+                # save_model, pytorch_model_fsdp.bin and optimizer.bin from accelerate, the
+                # full state dicts, read by the stock resume), each written by every rank
+                # from its own rows: no gather. Collective, in the same order on every rank.
+                model_sd, optim_sd = _fsdp_state(tr)
+                handles.extend(_save_full_model(tr, ckptr, staging, model_sd))
+                handles.append(_save_file_layout(ckptr, model_sd, os.path.join(staging, FSDP_FULL_MODEL_NAME)))
+                if optim_sd is not None:
+                    handles.append(_save_file_layout(ckptr, optim_sd, os.path.join(staging, FSDP_FULL_OPTIMIZER_NAME)))
+                del model_sd, optim_sd
+            elif fsdp:
                 # FSDP2, SHARDED_STATE_DICT: accelerate's layout (stock resume reads it), every
                 # rank its shards, first and in the same order on every rank (collective).
                 model_sd, optim_sd = _fsdp_state(tr)
@@ -625,8 +784,9 @@ class FastPersistCallback(TrainerCallback):
                 handles.append(ckptr.save(tr.optimizer.state_dict(), os.path.join(staging, OPTIMIZER_NAME)))
 
             # 1. model weights (+ config, generation config, processing class, training_args.bin)
-            with intercept_safetensors_writes(ckptr, handles):
-                tr.save_model(staging, _internal_call=True)
+            if not fsdp_full:  # written above
+                with intercept_safetensors_writes(ckptr, handles):
+                    tr.save_model(staging, _internal_call=True)
 
             # 2. best model checkpoint: stock checks that the directory exists (after a barrier);
             #    the best one may be this very checkpoint, still staged: count those we started.
