@@ -18,7 +18,8 @@ the median start->durable time of a few saves), after 1-2 complete saves. After 
 Modes: sync (1 rank), async (AsyncCheckpointer, overlap/snapshot alternating, rotation keep
 3 via enqueue(os.unlink)), dist-sync and dist-async (2 ranks, gloo on loopback, collective
 saves; the victim is rank 0, rank 1 or both, and the survivor must exit with an error, not
-hang), dist-dcp (2 ranks, DTensor state through AsyncCheckpointer into a sharded DCP
+hang), dist-file (2 ranks, DTensor state saved with layout="file" into one file of the full
+state: it must torch.load and verify as one whole generation), dist-dcp (2 ranks, DTensor state through AsyncCheckpointer into a sharded DCP
 directory: it must verify and load whole onto one process, through FastPersist's reader and
 stock DCP's alike; a staging directory left is
 counted, and a directory a kill left aside mid-commit is put back as the next save would,
@@ -63,9 +64,9 @@ from fp_core import _native  # noqa: E402
 
 TMP_SUFFIX = ".fptmp"
 DEFAULT_ROOT = "/work/bench-tmp"
-CORE_MODES = ("sync", "async", "dist-sync", "dist-async", "dist-dcp")
-MIB = {"sync": 16, "async": 16, "dist-sync": 16, "dist-async": 16, "dist-dcp": 16}
-WEIGHTS = {"sync": 0.3, "async": 0.3, "dist-sync": 0.2, "dist-async": 0.2, "dist-dcp": 0.2}
+CORE_MODES = ("sync", "async", "dist-sync", "dist-async", "dist-dcp", "dist-file")
+MIB = {"sync": 16, "async": 16, "dist-sync": 16, "dist-async": 16, "dist-dcp": 16, "dist-file": 16}
+WEIGHTS = {"sync": 0.3, "async": 0.3, "dist-sync": 0.2, "dist-async": 0.2, "dist-dcp": 0.2, "dist-file": 0.2}
 DCP_LEFTOVERS = (".ckpt.fastpersist-staging", ".fastpersist-replaced-ckpt")  # a killed sharded save's
 CLI = [sys.executable, "-m", "fp_core.tools.cli"]
 
@@ -803,7 +804,7 @@ integration_trials_fn = integration_trials
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trials", type=int, default=200, help="core crash trials over the 4 modes")
+    ap.add_argument("--trials", type=int, default=200, help="core crash trials, spread over --modes by weight")
     ap.add_argument("--integration-trials", type=int, default=8, help="Lightning and HF crash trials each")
     ap.add_argument("--only", default="crash,faults,corruption")
     ap.add_argument("--modes", default=",".join(CORE_MODES))

@@ -20,6 +20,8 @@ Modes (``run(mode, directory, conn, **kw)`` in a forked process, or the CLI belo
 * ``dist-dcp``   2 ranks: the same state as DTensors sharded over both ranks (``w``, ``m``
                  split in two, the rest replicated), saved by ``AsyncCheckpointer`` into the
                  sharded checkpoint directory ``DIR/ckpt`` (DCP with FastPersistWriter).
+* ``dist-file``  2 ranks: the same DTensor state saved with ``fp_core.save(..., layout="file")``
+                 into the one file ``DIR/ckpt.pt`` of the full state (each rank its rows).
 
 CLI (heavier integrations, run as plain subprocesses; progress lines on stdout)::
 
@@ -164,6 +166,17 @@ def run(mode: str, directory: str, conn=None, mib: int = 16, policy: str = "over
                 obj, buf = dtensor_state(gen, mib, buf, mesh)
                 _send(conn, "S", gen, time.monotonic())
                 ckpt.save(obj, path, on_commit=lambda _p, _st, g=gen: _durable(conn, g))
+        elif mode == "dist-file":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))
+            gen = gen0
+            while True:
+                gen += 1
+                obj, buf = dtensor_state(gen, mib, buf, mesh)
+                _send(conn, "S", gen, time.monotonic())
+                fp_core.save(obj, path, layout="file")
+                _durable(conn, gen)
         elif mode in ("async", "dist-async"):
             ckpt = fp_core.AsyncCheckpointer(policy=policy, group=group)
             gen = gen0

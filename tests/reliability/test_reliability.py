@@ -27,7 +27,7 @@ def _assert_clean(res: dict) -> None:
     assert res["failures"] == 0 and res["data_lost"] == 0, res
 
 
-@pytest.mark.parametrize("mode,trials", [("sync", 4), ("async", 4), ("dist-sync", 3), ("dist-async", 3), ("dist-dcp", 2)])
+@pytest.mark.parametrize("mode,trials", [("sync", 4), ("async", 4), ("dist-sync", 3), ("dist-async", 3), ("dist-dcp", 2), ("dist-file", 2)])
 def test_sigkill_at_random_instants(disk_dir, mode, trials):
     rng = random.Random(hash(mode) & 0xFFFF)
     T = ch.calibrate(mode, disk_dir)
