@@ -82,3 +82,60 @@ def test_hf_trainer_fsdp2_on_the_gpu_through_fastpersist(tmp_path):
     assert res["verified"] == {"pytorch_model_fsdp_0": 1, "optimizer_0": 1}
     assert res["saves"] == [[2, True], [4, True]]
     assert res["losses_b"] == res["losses_a"] and res["losses_c"] == res["losses_a"]
+
+
+_ONE_FILE_SCRIPT = r"""
+import os, sys, json, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[2])
+import fp_core
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+mesh = init_device_mesh("cuda", (1,))
+g = torch.Generator(device="cuda").manual_seed(0)
+full = {"w": torch.randn(8192, 4096, device="cuda", generator=g),          # 128 MiB, fp32
+        "e": torch.randn(1000, 77, device="cuda", generator=g).bfloat16(),  # rows not on a block
+        "b": torch.randn(4096, device="cuda", generator=g)}
+state = {"model": {"w": distribute_tensor(full["w"], mesh, [Shard(0)]),
+                   "e": distribute_tensor(full["e"], mesh, [Shard(0)]),
+                   "b": distribute_tensor(full["b"], mesh, [Replicate()])},
+         "step": 3}
+expected = {k: v.cpu() for k, v in full.items()}
+out = {}
+d = sys.argv[1]
+# synchronous: device shards copied to host through the engine's staging
+st = fp_core.save(state, os.path.join(d, "sync.pt"), layout="file")
+got = torch.load(os.path.join(d, "sync.pt"), weights_only=True)
+out["sync_equal"] = all(torch.equal(got["model"][k], expected[k]) for k in expected) and got["step"] == 3
+out["sync_verify"] = fp_core.verify(os.path.join(d, "sync.pt"))["bytes"] == os.path.getsize(os.path.join(d, "sync.pt"))
+# asynchronous, snapshot into pinned host memory: the step after the fence is not in it
+ckpt = fp_core.AsyncCheckpointer(policy="snapshot")
+h = ckpt.save(state, os.path.join(d, "async.pt"), layout="file"); ckpt.fence()
+state["model"]["w"].to_local().add_(1.0)
+h.result(); ckpt.close()
+got = torch.load(os.path.join(d, "async.pt"), weights_only=True)
+out["async_equal"] = all(torch.equal(got["model"][k], expected[k]) for k in expected)
+# read back into CUDA DTensors, each rank its rows, checked against the checksums
+target = {"model": {k: distribute_tensor(torch.zeros_like(v), mesh, [Shard(0)] if k != "b" else [Replicate()])
+                    for k, v in full.items()}, "step": 0}
+fp_core.load_into(target, os.path.join(d, "async.pt"), verify=True)
+out["load_into_equal"] = all(torch.equal(target["model"][k].to_local().cpu(), expected[k]) for k in expected)
+out["load_into_device"] = all(t.to_local().is_cuda for t in target["model"].values())
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_one_file_of_device_dtensors_nccl(tmp_path):
+    """layout="file" on a CUDA mesh under NCCL: device shards written (synchronously through
+    the engine's staging, asynchronously from a snapshot in pinned host memory) into one
+    torch.load file, and read back into CUDA DTensors with verify."""
+    port = free_port()
+    repo = os.path.dirname(os.path.dirname(HELPERS))
+    p = subprocess.run([sys.executable, "-c", _ONE_FILE_SCRIPT, str(tmp_path), repo, port],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res == {"sync_equal": True, "sync_verify": True, "async_equal": True, "load_into_equal": True,
+                   "load_into_device": True}, res
