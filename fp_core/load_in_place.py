@@ -49,7 +49,16 @@ from .integrity import (
 )
 from .loader import FastReader
 from .plain_unpickle import SavedTensor
-from .sharded_load import LoadIntoStats, LocalRows, combined_crc, exchange, is_dtensor, local_rows
+from .sharded_load import (
+    LoadIntoStats,
+    LocalRows,
+    combined_crc,
+    exchange,
+    is_dtensor,
+    local_rows,
+    mesh_key,
+    target_meshes,
+)
 from .thread_wait import Beside
 
 
@@ -145,6 +154,10 @@ class _Matcher:
         # DTensor target, also where this rank's shard is empty: its checksum is the mesh's
         self.sharded: list[tuple[Any, int, int, bool]] = []
         self.stats = LoadIntoStats()
+        # the meshes of the target's DTensors (target_meshes): every rank of them exchanges
+        # once per load, whether its load failed or not; ``exchanged`` once it has
+        self.meshes: list[Any] = []
+        self.exchanged = False
 
     def run(self, saved: Any) -> Any:
         """The saved structure with each tensor replaced by the target's (or a created one)."""
@@ -426,7 +439,17 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     m = _Matcher(target)
     if stats is not None:
         m.stats = stats
-    result = _load_into(m, path, verify, weights_only)
+    m.meshes = target_meshes(target)
+    try:
+        result = _load_into(m, path, verify, weights_only)
+    except Exception as e:
+        if m.meshes and not m.exchanged:  # the other ranks of the meshes wait for this one's word
+            m.exchanged = True
+            exchange(os.fspath(path), m.meshes, [{} for _ in m.meshes], e)
+        raise
+    if m.meshes and not m.exchanged:  # read whole and copied: no reads to report, but the others wait
+        m.exchanged = True
+        exchange(os.fspath(path), m.meshes, [{} for _ in m.meshes], None)
     _write_back(target, result)
     m.restore()
     return result
@@ -569,7 +592,7 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Matcher, path:
                 saved = plain_unpickle.structure(zf, _under_archive(cf, entries, offsets))
                 if saved is NotImplemented:  # torch's unpickler; the headers it reads are cached ahead
                     f.prefetch_small_reads()
-                    saved = file_image.unpickle(zf, _keep_on_meta, wo, _MetaSlices(), cf.path)
+                    saved = _meta_structure(zf, wo, cf.path)
                 result = target.run(saved)
                 fills = target.fills
     if swapped:
@@ -577,6 +600,20 @@ def _fill(cf: CheckpointFile, view: ManifestView | None, target: _Matcher, path:
     before_reads()
     _read_fills(cf, view, fills, sizes, target)
     return result
+
+
+def _meta_structure(zf: Any, weights_only: bool, path: str) -> Any:
+    """The file's structure from torch's unpickler, every storage on the meta device. A
+    tensor the pickle declares that torch cannot build (a negative size, a size whose
+    product overflows, strides that do not fit) is the file's damage, not a bug here:
+    :class:`CorruptCheckpointError` naming the path, torch's error chained."""
+    try:
+        return file_image.unpickle(zf, _keep_on_meta, weights_only, _MetaSlices(), path)
+    except (RuntimeError, ValueError, OverflowError, IndexError) as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(path, "data.pkl", f"a tensor it declares does not build: "
+                                     f"{type(e).__name__}: {e}") from e
 
 
 def _load_and_copy(target: _Matcher, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
@@ -597,17 +634,18 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
                 matcher: _Matcher) -> None:
     """``sizes``: data offset -> size of every storage record, from the zip's own headers."""
     records = {r.offset: r for r in view.manifest.records if r.kind == "storage"} if view is not None else {}
-    # verify with DTensor targets: the storages whose checksums their meshes' ranks put together
-    meshes: list[Any] = []
+    # DTensor targets: every rank of their meshes exchanges once (a failed read is raised
+    # on all); verified, the storages whose checksums their meshes' ranks put together
+    meshes: list[Any] = list(matcher.meshes)
+    keys = [mesh_key(m) for m in meshes]
     combined: dict[int, int] = {}  # record offset -> index of its mesh
-    if view is not None:
-        for mesh, off, _, tiles in matcher.sharded:
-            i = next((i for i, m in enumerate(meshes) if m is mesh or m == mesh), None)
-            if i is None:
-                meshes.append(mesh)
-                i = len(meshes) - 1
-            if tiles and off in records:
-                combined.setdefault(off, i)
+    for mesh, off, _, tiles in matcher.sharded:
+        k = mesh_key(mesh)
+        if k not in keys:  # a mesh the target's walk did not find (the same on every rank)
+            meshes.append(mesh)
+            keys.append(k)
+        if view is not None and tiles and off in records:
+            combined.setdefault(off, keys.index(k))
     pieces: list[dict[int, list[tuple[int, int, int]]]] = [{} for _ in meshes]
 
     def piece(f: _Fill, crc: int) -> None:
@@ -671,6 +709,7 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
             raise
         error = e  # the other ranks of the meshes are told in the exchange, so that all raise
     if meshes:
+        matcher.exchanged = True
         merged = exchange(cf.path, meshes, pieces, error)
         for off, i in combined.items():
             if off in checked:

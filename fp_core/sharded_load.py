@@ -15,7 +15,10 @@ same bytes, and counting them twice would break the combine), all-gathered over 
 and combined (CRC-32C values combine) against the manifest's. A storage the pieces do not
 tile exactly (a saved view that is not the whole storage, or is not row-major) is checked
 whole by every rank instead. A rank whose read fails tells the others in the same
-all-gather, so every rank raises rather than some waiting.
+all-gather, so every rank raises rather than some waiting; so does a rank whose load fails
+before its reads (the file does not open, its target does not fit): with DTensor targets
+every rank takes part in one exchange per mesh of its target, verified or not, wherever it
+failed (:func:`target_meshes`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import torch
 
 from . import _native
+from .errors import CorruptCheckpointError
 from .sharded import dtensor_type
 
 
@@ -99,17 +103,54 @@ def _group(mesh: Any) -> Any:
 Pieces = dict[int, list[tuple[int, int, int]]]  # record offset -> [(file offset, length, CRC-32C)]
 
 
+def target_meshes(target: Any) -> list[Any]:
+    """The meshes of the DTensors ``target`` holds (in its dicts, lists and tuples, a
+    module's state dict, an optimizer's parameters and state), each once, in an order that
+    depends on the meshes alone (their ranks, shape and dimension names): the same list on
+    every rank of them, found before the file is opened, so a rank whose load fails before
+    its reads still takes part in the exchange (:func:`exchange`) the others wait in."""
+    found: dict[tuple, Any] = {}
+    seen: set[int] = set()
+    todo = [target]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen or isinstance(x, (str, bytes, int, float, type(None))):
+            continue
+        seen.add(id(x))
+        if is_dtensor(x):
+            found.setdefault(mesh_key(x.device_mesh), x.device_mesh)
+        elif isinstance(x, torch.Tensor):
+            continue
+        elif isinstance(x, dict) or hasattr(x, "items") and callable(x.items):
+            todo.extend(v for _, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif callable(getattr(x, "state_dict", None)) and callable(getattr(x, "load_state_dict", None)):
+            groups = getattr(x, "param_groups", None)
+            if isinstance(groups, list):  # an optimizer: its parameters say where created state goes
+                todo.extend(p for g in groups if isinstance(g, dict) for p in g.get("params", ()))
+            todo.append(x.state_dict())
+    return [found[k] for k in sorted(found)]
+
+
+def mesh_key(mesh: Any) -> tuple:
+    """What tells meshes apart, the same on every rank (a mesh's identity is not)."""
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), tuple(mesh.mesh_dim_names or ()))
+
+
 def exchange(path: str, meshes: list[Any], pieces: list[Pieces], error: BaseException | None) -> list[Pieces]:
     """All-gather over each mesh (in the order given, the same on every rank) this rank's
     pieces of the records of that mesh's DTensors (``pieces[i]`` for ``meshes[i]``), and
-    whether its reads failed; raises on every rank where any failed. Returns, per mesh,
-    the pieces of all its ranks merged."""
+    whether its load failed; raises on every rank where any failed: this rank's own error,
+    else one of the kind another rank raised (:class:`CorruptCheckpointError` naming the
+    path and record, ``ValueError`` for a target the file does not fit), naming that rank.
+    Returns, per mesh, the pieces of all its ranks merged."""
     import torch.distributed as dist
 
     out = []
-    failed: list[str] = []
+    failed: list[tuple[int, Any]] = []
     for mesh, mine in zip(meshes, pieces):
-        sent = {"pieces": mine, "error": None if error is None else f"{type(error).__name__}: {error}"}
+        sent = {"pieces": mine, "error": None if error is None else _portable(error)}
         if mesh.size() == 1:
             got = [sent]
         else:
@@ -118,16 +159,31 @@ def exchange(path: str, meshes: list[Any], pieces: list[Pieces], error: BaseExce
         merged: Pieces = {}
         for r, g in enumerate(got):
             if g["error"] is not None and not failed:
-                failed.append(f"rank {mesh.mesh.flatten().tolist()[r]} of the mesh: {g['error']}")
+                failed.append((mesh.mesh.flatten().tolist()[r], g["error"]))
             for rec, ps in g["pieces"].items():
                 merged.setdefault(rec, []).extend(ps)
         out.append(merged)
     if error is not None:
         raise error
     if failed:
-        raise RuntimeError(f"load_into: {path}: another rank's read failed, so this rank's is not complete: "
-                           f"{failed[0]}")
+        rank, e = failed[0]
+        if isinstance(e, CorruptCheckpointError):
+            # the file that rank read (the same as this rank's, unless the ranks were given others)
+            raise CorruptCheckpointError(e.path, e.record, f"{e.detail} (found by rank {rank})", e.tensor)
+        if isinstance(e, ValueError):
+            raise ValueError(f"load_into: {path}: rank {rank} refused the load: {e}")
+        raise RuntimeError(f"load_into: {path}: another rank's load failed, so this rank's is not complete: "
+                           f"rank {rank} of the mesh: {e}")
     return out
+
+
+def _portable(error: BaseException) -> Any:
+    """What is sent of a rank's error: a :class:`CorruptCheckpointError` as it is (it
+    pickles whole), anything else as its type's name and message (it may not pickle)."""
+    if isinstance(error, CorruptCheckpointError):
+        return error
+    text = f"{type(error).__name__}: {error}"
+    return ValueError(text) if isinstance(error, ValueError) else text
 
 
 def combined_crc(start: int, size: int, pieces: list[tuple[int, int, int]]) -> int | None:
@@ -144,4 +200,5 @@ def combined_crc(start: int, size: int, pieces: list[tuple[int, int, int]]) -> i
     return crc
 
 
-__all__ = ["LoadIntoStats", "LocalRows", "combined_crc", "exchange", "is_dtensor", "local_rows"]
+__all__ = ["LoadIntoStats", "LocalRows", "combined_crc", "exchange", "is_dtensor", "local_rows", "mesh_key",
+           "target_meshes"]
