@@ -45,8 +45,10 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
     A state holding ``DTensor`` s (FSDP2, tensor parallel) is a sharded checkpoint: ``path``
     is a directory every rank of ``group`` (default: all) writes through DCP
     (:mod:`fp_core.dcp_save`), with ``extra_files`` (``{name: bytes}``) beside its shards;
-    with ``layout="file"``, ``path`` is one ``torch.save`` file of the full state that every
-    rank writes its own shards into (:mod:`fp_core.sharded_file`).
+    with ``layout="file"``, ``path`` is one ``torch.save`` file of the full state (with
+    ``format="safetensors"``: one safetensors file of a flat ``{name: DTensor or tensor}``
+    dict, ``metadata`` in its header) that every rank writes its own shards into
+    (:mod:`fp_core.sharded_file`).
     """
     options = options or EngineOptions()
     is_remote, p = paths.split(path)
@@ -60,12 +62,13 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
         if is_remote:
             raise ValueError(f"layout=\"file\" saves to a remote URL ({p}) are not supported: save to a shared "
                              "local path, then upload it")
-        if format != "torch" or extra_files:
-            raise ValueError("layout=\"file\" writes one torch.save file: format='torch', no extra_files")
+        if format not in ("torch", "safetensors") or extra_files:
+            raise ValueError(f"{p}: layout=\"file\" writes one file, format='torch' or 'safetensors' (not "
+                             f"{format!r}), no extra_files")
         if has_sharded_tensor(obj):
             raise ValueError(f"{p}: layout=\"file\" takes DTensor state; ShardedTensor (FSDP1) state is saved "
                              "with layout=\"dcp\"")
-        return ShardedFileSave(obj, p, group, options=options,
+        return ShardedFileSave(obj, p, group, options=options, format=format, metadata=metadata,
                                timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     if layout == "dcp" and not is_sharded(obj):
         raise ValueError(f"{p}: layout=\"dcp\" is for sharded (DTensor) state; this state holds none")
@@ -134,7 +137,12 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     instead: ``path`` is one ``torch.save`` file of the full state (each DTensor a plain
     tensor of its global shape, the keys unchanged) that every rank writes its own
     ``Shard(0)`` rows into, with no gather; ``Replicate()`` and plain tensors are split
-    among their holders. Other placements are refused (see :mod:`fp_core.sharded_file`).
+    among their holders. With ``format="safetensors"`` and ``layout="file"``, a flat
+    ``{name: DTensor or tensor}`` dict (a model's state dict under FSDP2's ``fully_shard``)
+    is written the same way as one safetensors file of the full tensors, ``metadata`` in
+    its header, as ``from_pretrained`` reads it; one tensor under two names (tied weights)
+    is refused: drop the duplicate first, as ``save_pretrained`` does. Other placements are
+    refused (see :mod:`fp_core.sharded_file`).
     """
     opts, rest = EngineOptions.pick(dict(options))
     if rest:

@@ -23,6 +23,14 @@ DTensor a plain tensor of its global shape, under the same keys. No rank gathers
   CRC-32Cs fold into each storage's checksum on rank 0, which writes the tail and publishes;
   any rank's failure fails the save on every rank.
 
+``format="safetensors"``: a flat ``{name: DTensor or tensor}`` dict (a model's state dict
+under FSDP2's ``fully_shard``) is written the same way as one safetensors file of the full
+tensors (:mod:`fp_core.safetensors_plan`'s layout, the caller's ``metadata`` in its header).
+The header holds every tensor's CRC-32C, known only once the ranks' pieces combine: the
+tensors start on a block after it, rank 0 writes it last, whole, with its checksums, then
+the commit. A tensor under two names (tied weights) is refused on every rank before anything
+is created; ``save_pretrained`` drops such duplicates itself, and so must the caller.
+
 Placements other than ``Shard(0)`` and ``Replicate()`` (``Shard(1)``, ``_StridedShard``,
 ``Partial``) are refused before anything is created, naming the tensor.
 """
@@ -46,6 +54,7 @@ from .engine import EngineOptions
 from .local import MIN_ALIGNMENT
 from .partition import split_extents
 from .plan import FilePlan, StorageExtent, align_down, align_up, from_skeleton, leaves, tensor_names
+from .safetensors_plan import _DTYPES, SafetensorsPlan, build_safetensors
 from .sharded import dtensor_type, map_containers
 from .skeleton import capture
 from .writer import PieceCrc, RangeStats, combine_piece_crcs, finish_tail, write_range
@@ -96,6 +105,49 @@ def check_placements(obj: Any) -> None:
                     "layout=\"dcp\"")
 
 
+def check_safetensors_state(obj: Any) -> None:
+    """Refuse, before anything is created, a state that cannot be one safetensors file: not
+    a flat ``{str: tensor or DTensor}`` dict, a dtype safetensors cannot store, or one
+    tensor under two names (tied weights: ``save_pretrained`` drops the duplicate itself)."""
+    if not isinstance(obj, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                            for k, v in obj.items()):
+        raise TypeError("format=\"safetensors\" takes a flat dict of {str: tensor or DTensor}")
+    kind = dtensor_type()
+    seen: dict[Any, str] = {}
+    for name, v in obj.items():
+        if v.dtype not in _DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {v.dtype}, which safetensors cannot store")
+        # A module's state_dict() detaches each parameter: tied ones are two DTensor objects
+        # over one local storage, found by that storage on every rank alike, an empty local
+        # shard included (a plain tensor by its memory, as the single-process writer does).
+        if kind is not None and isinstance(v, kind):
+            local = v.to_local()
+            key: Any = ("dtensor", local.untyped_storage()._cdata, local.storage_offset(), tuple(local.shape))
+        elif v.numel() and v.is_contiguous():
+            key = (v.device, v.data_ptr())
+        else:
+            continue
+        if key in seen:
+            raise ValueError(f"tensors {seen[key]!r} and {name!r} are one tensor (tied weights?); safetensors "
+                             "stores each tensor once: drop the duplicate, as save_pretrained does")
+        seen[key] = name
+
+
+class _TailNames:
+    """What the collective commit asks of a safetensors file's tail plan: its size and, by
+    record number, the tensors' names (a torch file's manifest gives both)."""
+
+    def __init__(self, file_size: int, names: list[str]) -> None:
+        self.file_size = file_size
+        self.manifest = self
+        self.records = [_Name(n) for n in names]
+
+
+@dataclass
+class _Name:
+    name: str
+
+
 class _Placeholders:
     """Plain CPU tensors of given shapes and dtypes that hold no memory: views of one
     read-only anonymous mapping (address space only; nothing ever reads it), each on a
@@ -123,9 +175,17 @@ class ShardedFileSave(CollectiveSave):
     (a SaveJob; see the module's docstring)."""
 
     def __init__(self, obj: Any, path: str | os.PathLike, group: Any = None, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, options: EngineOptions | None = None) -> None:
-        check_placements(obj)  # every rank refuses the same state: nothing is created
+                 timeout_s: float = DEFAULT_TIMEOUT_S, options: EngineOptions | None = None,
+                 format: str = "torch", metadata: dict[str, str] | None = None) -> None:
+        if format not in ("torch", "safetensors"):
+            raise ValueError(f"layout=\"file\" writes format 'torch' or 'safetensors', not {format!r}")
+        # every rank refuses the same state: nothing is created
+        if format == "safetensors":
+            check_safetensors_state(obj)
+        check_placements(obj)
+        self.format, self.metadata = format, metadata
         self.full: FilePlan | None = None
+        self._names: list[str] = []  # record number -> name (a torch record's, a safetensors tensor's)
         self.held: list[_Held] = []
         self.layout_hash = ""
         self._runs: list[tuple[int, int]] = []  # block-aligned ranges this rank alone writes
@@ -138,6 +198,39 @@ class ShardedFileSave(CollectiveSave):
     # -- planning (the caller's thread) ----------------------------------------------
 
     def _build(self, obj: Any) -> FilePlan:
+        if self.format == "safetensors":
+            full, owner = self._full_safetensors(obj)
+        else:
+            full, owner = self._full_torch(obj)
+        self.full = full
+        cg_ranks = dist.get_process_group_ranks(self.cg)
+        everyone = tuple(range(len(cg_ranks)))
+        me = dist.get_rank(self.cg)
+        for s in full.storages:
+            hit = owner(s)
+            if hit is None:  # a plain tensor: every rank holds it (replicated)
+                self.held.append(_Held(s.record, 0, s.offset, s.length, s.source, everyone, me))
+                continue
+            path, dt = hit
+            start, source, holders, index = self._local_bytes(path, dt, cg_ranks)
+            if source.numel():
+                self.held.append(_Held(s.record, start, s.offset + start, source.numel(), source, holders, index))
+        h = hashlib.sha256(f"{self.format} {full.file_size} {full.manifest_header_offset}".encode())
+        for off, data in full.skeleton.segments():
+            h.update(f"{off}:{len(data)}:".encode())
+            h.update(data)
+        for s in full.storages:
+            h.update(f"{self._names[s.record]} {s.offset} {s.length};".encode())
+        self.layout_hash = h.hexdigest()
+        extents = [StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start) for x in self.held]
+        return FilePlan(file_size=full.file_size, alignment=full.alignment, skeleton=full.skeleton,
+                        storages=sorted(extents, key=lambda e: e.offset), manifest=full.manifest,
+                        manifest_header_offset=full.manifest_header_offset, manifest_offset=full.manifest_offset,
+                        manifest_size=full.manifest_size, manifest_central_entry=full.manifest_central_entry)
+
+    def _full_torch(self, obj: Any) -> tuple[FilePlan, Callable[[StorageExtent], Any]]:
+        """The plan of the full state's ``torch.save`` file, and which DTensor (its path)
+        each of its storages stands for (None: a plain tensor)."""
         kind = dtensor_type()
         found = _walk_dtensors(obj, kind) if kind is not None else []
         unique: dict[int, tuple[str, Any]] = {}
@@ -166,35 +259,33 @@ class ShardedFileSave(CollectiveSave):
         sparse, storages_by_key = capture(full_state, MIN_ALIGNMENT, names=names, plain_alignment=None)
         if not names:
             names = tensor_names(full_state)
-        full = self.full = from_skeleton(sparse, storages_by_key, names, MIN_ALIGNMENT)
-
+        full = from_skeleton(sparse, storages_by_key, names, MIN_ALIGNMENT)
+        self._names = [r.name for r in full.manifest.records]
         by_storage = {stand_in[id(dt)].untyped_storage()._cdata: (path, dt) for path, dt in dtensors}
-        cg_ranks = dist.get_process_group_ranks(self.cg)
-        everyone = tuple(range(len(cg_ranks)))
-        me = dist.get_rank(self.cg)
-        for s in full.storages:
+
+        def owner(s: StorageExtent) -> Any:
             storage = s._source  # the storage itself: plan.from_skeleton gives it undressed
-            hit = by_storage.get(storage._cdata) if isinstance(storage, torch.UntypedStorage) else None
-            if hit is None:  # a plain tensor: every rank holds it (replicated)
-                self.held.append(_Held(s.record, 0, s.offset, s.length, s.source, everyone, me))
-                continue
-            path, dt = hit
-            start, source, holders, index = self._local_bytes(path, dt, cg_ranks)
-            if source.numel():
-                self.held.append(_Held(s.record, start, s.offset + start, source.numel(), source, holders, index))
-        h = hashlib.sha256(f"{full.file_size} {full.manifest_header_offset}".encode())
-        for off, data in sparse.segments():
-            h.update(f"{off}:{len(data)}:".encode())
-            h.update(data)
-        for s in full.storages:
-            rec = full.manifest.records[s.record]
-            h.update(f"{rec.name} {s.offset} {s.length} {rec.dtype};".encode())
-        self.layout_hash = h.hexdigest()
-        extents = [StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start) for x in self.held]
-        return FilePlan(file_size=full.file_size, alignment=full.alignment, skeleton=full.skeleton,
-                        storages=sorted(extents, key=lambda e: e.offset), manifest=full.manifest,
-                        manifest_header_offset=full.manifest_header_offset, manifest_offset=full.manifest_offset,
-                        manifest_size=full.manifest_size, manifest_central_entry=full.manifest_central_entry)
+            return by_storage.get(storage._cdata) if isinstance(storage, torch.UntypedStorage) else None
+
+        return full, owner
+
+    def _full_safetensors(self, obj: dict[str, Any]) -> tuple[SafetensorsPlan, Callable[[StorageExtent], Any]]:
+        """The plan of the full state's safetensors file (its header's checksums zero until
+        the tail), and which DTensor each tensor stands for (None: a plain tensor)."""
+        kind = dtensor_type()
+        items = list(obj.items())
+        is_dt = [kind is not None and isinstance(v, kind) for _, v in items]
+        sizes = [v.numel() * v.element_size() if d else 0 for (_, v), d in zip(items, is_dt)]
+        holes = _Placeholders(sizes)
+        flat = {name: holes.tensor(i, v.shape, v.dtype, n) if d else v
+                for i, ((name, v), d, n) in enumerate(zip(items, is_dt, sizes))}
+        full = build_safetensors(flat, MIN_ALIGNMENT, self.metadata)
+        self._names = [name for name, _ in items]  # build_safetensors numbers tensors in dict order
+
+        def owner(s: StorageExtent) -> Any:
+            return items[s.record] if is_dt[s.record] else None
+
+        return full, owner
 
     def _local_bytes(self, path: str, dt: Any, cg_ranks: list[int]) -> tuple[int, torch.Tensor, tuple[int, ...], int]:
         """Where this rank's local shard of ``dt`` lies in the full tensor's storage (its
@@ -228,7 +319,7 @@ class ShardedFileSave(CollectiveSave):
     # -- the collective save's steps --------------------------------------------------
 
     def _table(self) -> Any:
-        samples = {(self.full.manifest.records[x.record].name, x.start): _sample_crc(
+        samples = {(self._names[x.record], x.start): _sample_crc(
             StorageExtent(x.offset, x.length, x.source, x.record)) for x in self.held if len(x.holders) > 1}
         return self.layout_hash, samples
 
@@ -241,7 +332,7 @@ class ShardedFileSave(CollectiveSave):
         owned: list[StorageExtent] = []
         shared: dict[tuple[int, ...], list[_Held]] = {}
         for x in self.held:
-            key = (self.full.manifest.records[x.record].name, x.start)
+            key = (self._names[x.record], x.start)
             if len(x.holders) == 1:
                 owned.append(StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start))
             elif len({statuses[h][2][1].get(key) for h in x.holders}) > 1:
@@ -317,8 +408,8 @@ class ShardedFileSave(CollectiveSave):
             fd = self._buffered(tmp)
             for lo, hi in self._partial:
                 pieces += self._pwrite(fd, tmp, lo, hi)
-        records = plan.manifest.records
-        return [(records[pc.record].name, pc.start, pc.length, pc.crc) for pc in pieces]
+        names = self._names
+        return [(names[pc.record], pc.start, pc.length, pc.crc) for pc in pieces]
 
     def _buffered(self, tmp: str) -> int:
         if self._fd is None:
@@ -353,13 +444,26 @@ class ShardedFileSave(CollectiveSave):
             os.close(self._fd)
             self._fd = None
 
-    def _tail_plan(self) -> FilePlan:
+    def _tail_plan(self) -> Any:
         assert self.full is not None
+        if self.format == "safetensors":
+            return _TailNames(self.full.file_size, self._names)
         return self.full
 
     def _write_tail(self, engine: Any, tmp: str, pieces: list[PieceCrc], rs: RangeStats,
                     on_body_written: Any) -> None:
         full = self.full
+        if isinstance(full, SafetensorsPlan):
+            # The header, at the file's start, on blocks of its own (the data starts on a
+            # block): its checksums are known now, and it is written once, whole.
+            lo, hi = full.finish_header(pieces)  # raises unless the ranks' pieces tile every tensor
+            fd = self._buffered(tmp)
+            self._pwrite(fd, tmp, lo, hi)
+            os.ftruncate(fd, full.file_size)  # every share is written: this only sets a size none reached
+            self._sync_share(None)
+            if on_body_written is not None:
+                on_body_written()
+            return
         combine_piece_crcs(full, pieces)  # raises unless the ranks' pieces tile every storage
         finish_tail(full)
         lo = full.manifest_header_offset
