@@ -323,19 +323,30 @@ def _save_file_layout(ckptr: AsyncCheckpointer, obj: Any, path: str, **kw: Any) 
 
 def _stand_ins(model_sd: dict) -> tuple[dict, Any]:
     """``model_sd`` with every DTensor replaced by a plain tensor of its global shape and
-    dtype that holds no memory (what the stock gather would give, without the bytes). Each
-    key its own storage, as the gathered tensors are: ``save_pretrained`` then keeps and drops
-    the same keys as for stock's full state dict."""
+    dtype that holds no memory (the full tensor's stand-in, without its bytes). Names whose
+    DTensors share their local memory (tied weights) share one stand-in, so
+    ``save_pretrained`` drops the tied copies as it does for the model itself. (Stock's
+    gather on several ranks gives each name a tensor of its own, and its file keeps the
+    tied copy too: ``from_pretrained`` ties it again either way.)"""
     from fp_core.sharded import dtensor_type
     from fp_core.sharded_file import _Placeholders
 
     kind = dtensor_type()
-    names = [k for k, v in model_sd.items() if kind is not None and isinstance(v, kind)]
+    first: dict[tuple, str] = {}  # local memory -> the first name over it
+    alias: dict[str, str] = {}
+    for k, v in model_sd.items():
+        if kind is not None and isinstance(v, kind):
+            local = v.to_local()
+            key = (local.device, local.data_ptr(), tuple(v.shape), v.dtype) if local.numel() else ("empty", k)
+            alias[k] = first.setdefault(key, k)
+    names = sorted(set(alias.values()), key=list(model_sd).index)
     sizes = [model_sd[k].numel() * model_sd[k].element_size() for k in names]
     holes = _Placeholders(sizes)
+    stand_in = {k: holes.tensor(i, model_sd[k].shape, model_sd[k].dtype, n)
+                for i, (k, n) in enumerate(zip(names, sizes))}
     out = dict(model_sd)
-    for i, (k, n) in enumerate(zip(names, sizes)):
-        out[k] = holes.tensor(i, model_sd[k].shape, model_sd[k].dtype, n)
+    for k, a in alias.items():
+        out[k] = stand_in[a]
     return out, holes
 
 
@@ -389,17 +400,8 @@ def _save_full_model(tr: Trainer, ckptr: AsyncCheckpointer, output_dir: str, mod
         if missing:  # a weight conversion on save renamed or merged tensors: no rows to write
             raise ValueError(f"{filename}: save_pretrained writes {missing[:3]}, which the model's sharded "
                              "state dict does not hold; FastPersist cannot write them from the shards")
-        tensors: dict = {}
-        seen: set[int] = set()
-        for n in names:
-            t = model_sd[n]
-            if id(t) in seen:
-                # tied weights: stock's gather gives each name a tensor of its own and
-                # save_pretrained keeps both; one file holds one tensor once per name
-                t = t.detach()
-            seen.add(id(t))
-            tensors[n] = t
-        handles.append(_save_file_layout(ckptr, tensors, filename, format="safetensors", metadata=metadata))
+        handles.append(_save_file_layout(ckptr, {n: model_sd[n] for n in names}, filename,
+                                         format="safetensors", metadata=metadata))
     return handles
 
 

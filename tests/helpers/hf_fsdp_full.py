@@ -6,7 +6,7 @@ TrainingArguments made it, as in hf_fsdp2.py (FSDP2 itself runs on the CPU over 
 
 PHASES, comma-separated, each a fresh Trainer on a tiny GPT-2 built from a config, 4 steps,
 a checkpoint every 2 steps, each writing DIR/<phase>.json (rank 0): its losses, the files of
-its run directory, the callback's records:
+its run directory, the callback's records, the DTensor gathers its saves made:
 
 - ``stock``: the stock Trainer, DIR/stock, then ``save_model(DIR/stock/final)``;
 - ``fp``: with FastPersistCallback, DIR/fp, then ``save_model(DIR/fp/final)``;
@@ -70,6 +70,40 @@ def inject_failure(rank: int) -> None:
     ShardedFileSave._write_share = failing
 
 
+GATHERS = {"inside_save": 0, "count": 0}
+
+
+def count_gathers() -> None:
+    """Count DTensor gathers (``full_tensor``, ``redistribute``: what the stock full state
+    dict does per tensor) made while a checkpoint or ``save_model`` runs."""
+    from torch.distributed.tensor import DTensor
+
+    for name in ("full_tensor", "redistribute"):
+        real = getattr(DTensor, name)
+
+        def counted(self, *a, _real=real, **k):
+            if GATHERS["inside_save"]:
+                GATHERS["count"] += 1
+            return _real(self, *a, **k)
+
+        setattr(DTensor, name, counted)
+
+
+def watch_saves(tr: object) -> None:
+    """Mark the Trainer's checkpoint save and save_model (stock or the callback's) as saves."""
+    for name in ("_save_checkpoint", "save_model"):
+        real = getattr(tr, name)
+
+        def watched(*a, _real=real, **k):
+            GATHERS["inside_save"] += 1
+            try:
+                return _real(*a, **k)
+            finally:
+                GATHERS["inside_save"] -= 1
+
+        setattr(tr, name, watched)
+
+
 def listing(d: str) -> dict:
     return {n: sorted(os.listdir(os.path.join(d, n))) for n in sorted(os.listdir(d))
             if os.path.isdir(os.path.join(d, n))} | {"": sorted(os.listdir(d))}
@@ -81,6 +115,7 @@ def main() -> None:
     d, phases = sys.argv[1], sys.argv[2].split(",")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     tag = "" if world == 2 else f".w{world}"
+    count_gathers()
     for phase in phases:
         out = os.path.join(d, phase + tag)
         resume = {"fp_resume": "fp", "stock_resume": "fp", "stock_resume_stock": "stock"}.get(phase)
@@ -90,11 +125,14 @@ def main() -> None:
         tr, cb = trainer(out, callback, on_error="warn" if phase == "fail" else "raise")
         if cb is not None:
             assert cb.fallback_reason is None, cb.fallback_reason
+        watch_saves(tr)
+        GATHERS["count"] = 0
         tr.train(resume_from_checkpoint=None if resume is None else os.path.join(d, resume, "checkpoint-2"))
         if phase in ("stock", "fp"):
             tr.save_model(os.path.join(out, "final"))
         res = {"losses": [h["loss"] for h in tr.state.log_history if "loss" in h],
-               "saves": [[r.step, r.ok, r.error] for r in cb.records] if cb else None}
+               "saves": [[r.step, r.ok, r.error] for r in cb.records] if cb else None,
+               "gathers": GATHERS["count"]}
         dist.barrier()
         if rank == 0:
             res["listing"] = listing(out)

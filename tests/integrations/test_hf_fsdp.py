@@ -65,7 +65,8 @@ def test_resume_refuses_a_damaged_shard(tmp_path):
 
 @pytest.mark.parametrize("version,sd_type,peft,reason", [
     (1, "StateDictType.SHARDED_STATE_DICT", False, "FSDP1"),
-    (2, "StateDictType.FULL_STATE_DICT", False, "FULL_STATE_DICT"),
+    (2, "StateDictType.FULL_STATE_DICT", False, None),  # test_hf_fsdp_full.py
+    (2, "StateDictType.LOCAL_STATE_DICT", False, "LOCAL_STATE_DICT"),
     (2, "StateDictType.SHARDED_STATE_DICT", True, "PEFT"),
     (2, "StateDictType.SHARDED_STATE_DICT", False, None)])
 def test_what_fsdp_setups_keep_the_stock_save(version, sd_type, peft, reason):
