@@ -139,7 +139,7 @@ _SPAWN_TEMP_NAME = ".temp.ckpt"  # ddp_spawn hands the final weights back throug
 _STORAGE_OPTION_KEYS = frozenset({"blocking"})
 _RUNTIME_ATTRS = ("_lock", "_ckpt", "_pending", "_committed", "_unlogged", "_hook", "_hook_finalizer",
                   "_torn_down", "save_call_seconds", "fence_seconds", "fence_count",
-                  "fence_overlaps", "_collective", "_collective_next")
+                  "fence_overlaps", "_collective", "_collective_next", "_save_calls", "load_stats")
 _plugins: weakref.WeakSet = weakref.WeakSet()  # every plugin of this process, for the fork hook below
 
 
@@ -266,7 +266,11 @@ class _FastPersistIOImpl:
         # DDP with FastPersistCallback: every rank writes a share of each checkpoint.
         self._collective = False
         self._collective_next: Any = None  # the checkpoint dict rank 0 will receive next
+        self._save_calls = 0  # saves handed to this plugin (lightning_sharded: a save that never came)
+        # what this rank read at the last resume of a sharded model from one file (lightning_sharded)
+        self.load_stats: Any = None
         self._install_hook()  # an optimizer step from now on means training is running
+        _route_strategies(self)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -286,6 +290,7 @@ class _FastPersistIOImpl:
         """
         blocking = self._parse_storage_options(storage_options)
         t0 = time.perf_counter()
+        self._save_calls += 1
         is_remote, path = fp_paths.is_remote(path), fp_paths.key(path)
         if not is_remote:  # object stores have no directories; never an empty marker object
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -473,6 +478,7 @@ class _FastPersistIOImpl:
         from fp_core.sharded import has_sharded_tensor
 
         t0 = time.perf_counter()
+        self._save_calls += 1
         self._install_hook()
         name = os.path.basename(path.rstrip("/"))
         # as save_checkpoint: SLURM requeue saves are durable before the process is killed
@@ -502,6 +508,30 @@ class _FastPersistIOImpl:
                 handle.result()
         except Exception as e:
             self.errors.handle(e, f"saving sharded checkpoint {path}")
+        finally:
+            self.save_call_seconds.append(time.perf_counter() - t0)
+            if len(self.save_call_seconds) > self.keep_stats:
+                del self.save_call_seconds[0]
+
+    def save_file(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Every rank: save ``checkpoint`` (its model and optimizer state DTensors) as one
+        ``torch.save`` file of the full state at ``path``, each rank writing its own rows
+        (``fp_core.save(..., layout="file")``, routed here by
+        :mod:`fp_integrations.lightning_sharded`). Durable when this returns, after every
+        earlier save of this plugin; a failure on any rank fails it on every rank, and the
+        checkpoint under ``path`` before it is kept."""
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        self._save_calls += 1
+        self._install_hook()
+        # the user's on_commit runs once per checkpoint: where the file is committed
+        on_commit = self._on_commit if not dist.is_initialized() or dist.get_rank() == 0 else self._record
+        try:
+            self.wait()  # earlier background saves are durable first: checkpoints commit in order
+            on_commit(path, fp_core.save(checkpoint, path, layout="file", **self.engine_options))
+        except Exception as e:
+            self.errors.handle(e, f"saving checkpoint {path}")
         finally:
             self.save_call_seconds.append(time.perf_counter() - t0)
             if len(self.save_call_seconds) > self.keep_stats:
@@ -716,6 +746,22 @@ class _FastPersistIOImpl:
             return None
         # fence after the step's closure (forward+backward), right before the update
         return fence_before_update(args, kwargs, self.fence)
+
+
+def _route_strategies(plugin: _FastPersistIOImpl) -> None:
+    """Let the plugin alone route Lightning's sharded strategies: the ``Strategy`` class of
+    the plugin's own package gets its ``checkpoint_io`` setter wrapped (once per process;
+    see :func:`fp_integrations.lightning_sharded.patch_strategy_class`)."""
+    from . import lightning_sharded
+
+    if _LCheckpointIO is not None and isinstance(plugin, _LCheckpointIO):
+        from lightning.pytorch.strategies.strategy import Strategy
+
+        lightning_sharded.patch_strategy_class(Strategy, FastPersistIO)
+    elif "pytorch_lightning" in sys.modules and type(plugin).__name__ == "PLFastPersistIO":
+        from pytorch_lightning.strategies.strategy import Strategy as PLStrategy
+
+        lightning_sharded.patch_strategy_class(PLStrategy, type(plugin))
 
 
 class _FastPersistCallbackImpl:

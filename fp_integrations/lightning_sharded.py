@@ -27,6 +27,24 @@ Those strategies never hand a sharded checkpoint to the ``CheckpointIO``: every 
 
 The state dict keys stay Lightning's ("state_dict" / "model", "optimizer_<i>"), so stock
 Lightning loads these directories and FastPersist loads stock ones.
+
+``ModelParallelStrategy(save_distributed_checkpoint=False)`` (one ``.ckpt`` file): stock
+Lightning gathers the full model and optimizer state to rank 0, which writes the file. Routed,
+no rank gathers anything: the checkpoint keeps each parameter's and each optimizer state's
+DTensor, and every rank writes its own rows of the one file (``fp_core.save(...,
+layout="file")``, :mod:`fp_core.sharded_file`), which holds what stock writes there (the
+full ``state_dict``, ``optimizer_states`` keyed by parameter id as
+``FSDP.rekey_optim_state_dict`` keys them, rank 0's loops, callbacks and schedulers), so
+plain ``torch.load`` and stock Lightning read it. ``ckpt_path=...`` of such a file (ours or
+stock's) fills the sharded model and optimizer with ``fp_core.load_into``: each rank reads only
+its own rows, on any number of ranks.
+
+The plugin alone routes them: the first time Lightning assigns a FastPersist plugin to a
+strategy (``Strategy.checkpoint_io``'s setter, which :func:`patch_strategy_class` wraps once
+per process), :func:`on_assigned` installs the routing on that strategy object. A strategy
+given any other ``CheckpointIO`` is untouched. A strategy that saves without its
+``CheckpointIO`` and that this module cannot route (DeepSpeed, a custom one) warns once, at
+its first save, naming the fix.
 """
 
 from __future__ import annotations
@@ -34,8 +52,11 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import pickle
+import shutil
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,20 +75,42 @@ def sharded_state_key(strategy: Any) -> str | None:
     return None
 
 
+def _class_names(strategy: Any) -> set[str]:
+    return {c.__name__ for c in type(strategy).__mro__}
+
+
+def file_mode(strategy: Any) -> bool:
+    """Does ``strategy`` save one full-state ``.ckpt`` file that every rank can write its own
+    rows of (``ModelParallelStrategy(save_distributed_checkpoint=False)``)?"""
+    return "ModelParallelStrategy" in _class_names(strategy) and \
+        not getattr(strategy, "_save_distributed_checkpoint", True)
+
+
 def install(strategy: Any, plugin: Any) -> bool:
     """Route ``strategy``'s sharded saves and loads through ``plugin`` (a FastPersist
-    ``CheckpointIO``); True when ``strategy`` is one that saves sharded checkpoints."""
-    if sharded_state_key(strategy) is None:
+    ``CheckpointIO``); True when ``strategy`` is one whose saves this routes (a sharded
+    checkpoint directory, or ``ModelParallelStrategy``'s one file written by every rank)."""
+    if sharded_state_key(strategy) is None and not file_mode(strategy):
         return False
-    if getattr(strategy, "_fastpersist_sharded", None) is plugin:
-        return True
+    with _patch_lock:
+        if getattr(strategy, "_fastpersist_sharded", None) is plugin:
+            return True
+        _install(strategy, plugin)
+    return True
+
+
+def _install(strategy: Any, plugin: Any) -> None:
     stock_save = type(strategy).save_checkpoint.__get__(strategy)
     stock_load = type(strategy).load_checkpoint.__get__(strategy)
+    stock_module_state = type(strategy).lightning_module_state_dict.__get__(strategy)
+    stock_optimizer_state = type(strategy).optimizer_state.__get__(strategy)
 
     def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         key = sharded_state_key(strategy)
-        if key is None or storage_options is not None:  # stock's own answer (a TypeError for the latter)
-            return stock_save(checkpoint, filepath, storage_options)
+        if storage_options is not None or (key is None and not file_mode(strategy)):
+            return stock_save(checkpoint, filepath, storage_options)  # stock's own answer (a TypeError for the former)
+        if key is None:
+            return _save_file(strategy, plugin, checkpoint, filepath, stock_save)
         path = os.path.abspath(os.fspath(strategy.broadcast(filepath)))
         if os.path.isfile(path):  # as stock: a full checkpoint file under the name is replaced
             os.unlink(path)
@@ -88,12 +131,29 @@ def install(strategy: Any, plugin: Any) -> bool:
         plugin.wait_for_path(os.path.abspath(path))
         from fp_core import dcp as fp_dcp
 
+        if os.path.isfile(path) and "ModelParallelStrategy" in _class_names(strategy):
+            loaded = _load_file(strategy, plugin, path, weights_only)
+            if loaded is not None:
+                return loaded
         if not fp_dcp.is_checkpoint_dir(path):  # a file, or a directory stock DCP wrote
             return stock_load(checkpoint_path, weights_only)
         if plugin.verify:
             fp_dcp.verify_extra_files(path)
         with _reads_through_fastpersist(strategy, verify=plugin.verify):
             return stock_load(checkpoint_path, weights_only)
+
+    def lightning_module_state_dict() -> dict[str, Any]:
+        if not file_mode(strategy):
+            return stock_module_state()
+        # the DTensors themselves: every rank writes its own rows of the file (no gather)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(strategy.model)
+
+    def optimizer_state(optimizer: Any) -> dict[str, Any]:
+        if not file_mode(strategy):
+            return stock_optimizer_state(optimizer)
+        return _sharded_optimizer_state(strategy, optimizer)
 
     stock_teardown = type(strategy).teardown.__get__(strategy)
 
@@ -108,8 +168,191 @@ def install(strategy: Any, plugin: Any) -> bool:
     strategy.save_checkpoint = save_checkpoint
     strategy.load_checkpoint = load_checkpoint
     strategy.teardown = teardown
+    if "ModelParallelStrategy" in _class_names(strategy):
+        strategy.lightning_module_state_dict = lightning_module_state_dict
+        strategy.optimizer_state = optimizer_state
     strategy._fastpersist_sharded = plugin
-    return True
+
+
+def _sharded_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
+    """The optimizer state stock ``ModelParallelStrategy.optimizer_state`` writes into a full
+    checkpoint (keyed by parameter id, as ``FSDP.rekey_optim_state_dict`` keys it), with
+    each state tensor left a DTensor, so no rank gathers it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+    state = get_optimizer_state_dict(strategy.model, optimizer, options=StateDictOptions(full_state_dict=False))
+    try:
+        from lightning.pytorch.strategies.model_parallel import _align_compiled_param_names_with_module
+    except ImportError:  # pragma: no cover - pytorch_lightning only
+        from pytorch_lightning.strategies.model_parallel import _align_compiled_param_names_with_module
+    state = _align_compiled_param_names_with_module(state, strategy.model)
+    return FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, strategy.model)
+
+
+def _save_file(strategy: Any, plugin: Any, checkpoint: dict[str, Any], filepath: Any, stock_save: Any) -> None:
+    """``ModelParallelStrategy(save_distributed_checkpoint=False)``: every rank writes its own
+    rows of the one ``.ckpt`` file. Rank 0's loops, callbacks and schedulers are what the file
+    holds (as stock, where rank 0 alone writes): they are sent to every rank first, so the
+    ranks agree on the file's layout even where a callback's state differs between them."""
+    path = strategy.broadcast(filepath)
+    from fp_core import paths as fp_paths
+
+    if fp_paths.is_remote(path):
+        # no file a rank can write its rows into: the full state, gathered, goes to stock's path
+        from fp_core.sharded import map_containers
+
+        def full(x: Any) -> Any:
+            return x.full_tensor() if hasattr(x, "full_tensor") else map_containers(x, full)
+
+        checkpoint["state_dict"] = full(checkpoint["state_dict"])
+        checkpoint["optimizer_states"] = full(checkpoint.get("optimizer_states", []))
+        return stock_save(checkpoint, path, None)
+    path = os.path.abspath(os.fspath(path))
+    # rank 0 decides for all (another rank looking while rank 0 removes the directory could
+    # see it half removed, and fail alone)
+    is_dir = os.path.isdir(path)
+    if strategy.broadcast(is_dir and not os.path.isfile(os.path.join(path, _METADATA_FILENAME))):
+        raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
+    if strategy.global_rank == 0:
+        if is_dir:
+            shutil.rmtree(path)  # as stock: a sharded checkpoint directory under the name is replaced
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # rank 0 creates the file (as stock, its directory)
+    order = list(checkpoint)  # stock's key order, kept in the file
+    tensors = {k: checkpoint.pop(k) for k in ("state_dict", "optimizer_states") if k in checkpoint}
+    # rank 0's values, and on every rank a copy made by unpickling them: the ranks' pickles
+    # of the file must agree byte for byte, and rank 0's own objects (tensors viewing larger
+    # storages, objects shared between entries) pickle otherwise than a copy of them does
+    rest = pickle.loads(pickle.dumps(strategy.broadcast(checkpoint)))
+    ordered = {k: tensors[k] if k in tensors else rest[k] for k in order if k in tensors or k in rest}
+    ordered.update({k: v for k, v in rest.items() if k not in ordered})
+    plugin.save_file(ordered, path)
+
+
+def _load_file(strategy: Any, plugin: Any, path: str, weights_only: bool | None) -> dict[str, Any] | None:
+    """Fill ``ModelParallelStrategy``'s sharded model and optimizers from the full-state file
+    ``path`` (FastPersist's or stock's): each rank reads only its own rows
+    (``fp_core.load_into``). None where the optimizers' parameter order is not the model's
+    (the file's optimizer keys are model-order ids): stock's load handles that case."""
+    import fp_core
+    from fp_core.errors import NotAFastPersistCheckpoint
+
+    model = strategy.model
+    optimizers = list(strategy.optimizers)
+    in_model = [id(p) for p in model.parameters()]
+    for opt in optimizers:
+        order = [id(p) for g in opt.param_groups for p in g["params"]]
+        if order != [i for i in in_model if i in set(order)]:
+            return None
+    import torch
+
+    from fp_core.sharded import map_containers
+
+    # The file's other entries (loops, callbacks, schedulers: small) are the target's too,
+    # as load_into wants every entry that holds a tensor: their structure comes from a
+    # mapped load, which reads the pickle and none of the model's or optimizer's bytes.
+    mapped = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+
+    def blank(x: Any) -> Any:
+        return torch.empty_like(x) if isinstance(x, torch.Tensor) else map_containers(x, blank)
+
+    target: dict[str, Any] = {k: blank(v) for k, v in mapped.items() if k not in ("state_dict", "optimizer_states")}
+    del mapped
+    target["state_dict"] = model
+    if optimizers:
+        target["optimizer_states"] = optimizers
+    from fp_core.sharded_load import LoadIntoStats
+
+    stats = LoadIntoStats()
+    try:
+        result = fp_core.load_into(target, path, verify=plugin.verify, weights_only=weights_only, stats=stats)
+    except NotAFastPersistCheckpoint:  # written by stock Lightning: nothing to check against
+        result = fp_core.load_into(target, path, verify=False, weights_only=weights_only, stats=stats)
+    plugin.load_stats = stats
+    result.pop("state_dict", None)  # as stock: the model's state is not handed on
+    return result
+
+
+def _fastpersist_plugin(io: Any, kind: type) -> Any:
+    """``io`` itself, or the FastPersist plugin a wrapping ``CheckpointIO`` (Lightning's
+    ``AsyncCheckpointIO``) holds; None for any other ``CheckpointIO``. Only stored attributes
+    are read (no property of a user's class runs)."""
+    for _ in range(3):
+        if isinstance(io, kind):
+            return io
+        io = getattr(io, "__dict__", {}).get("_checkpoint_io")
+    return None
+
+
+def patch_strategy_class(strategy_cls: type, kind: type) -> None:
+    """Make ``strategy_cls.checkpoint_io``'s setter (through which Lightning's Trainer hands
+    every strategy its ``CheckpointIO``) call :func:`on_assigned` when the ``CheckpointIO``
+    is a FastPersist plugin (an instance of ``kind``, or wrapped around one). Any other
+    ``CheckpointIO`` is stored exactly as the stock setter stores it, and nothing else runs.
+    Once per class and process (a lock; a second call finds the marked setter)."""
+    with _patch_lock:
+        prop = strategy_cls.__dict__.get("checkpoint_io")
+        if not isinstance(prop, property) or prop.fset is None or getattr(prop.fset, "_fastpersist", None):
+            return
+        stock_set = prop.fset
+
+        def fset(self: Any, io: Any) -> None:
+            stock_set(self, io)
+            plugin = _fastpersist_plugin(io, kind)
+            if plugin is not None:
+                on_assigned(self, plugin, strategy_cls)
+
+        fset._fastpersist = True  # type: ignore[attr-defined]
+        strategy_cls.checkpoint_io = property(prop.fget, fset, prop.fdel, prop.__doc__)
+
+
+def on_assigned(strategy: Any, plugin: Any, base: type) -> None:
+    """``plugin`` became ``strategy``'s ``CheckpointIO``: route its sharded saves
+    (:func:`install`); a strategy that saves without its ``CheckpointIO`` and cannot be
+    routed is watched, and its first save that never reaches the plugin warns."""
+    if install(strategy, plugin):
+        return
+    names = _class_names(strategy)
+    if "FSDPStrategy" in names or "ModelParallelStrategy" in names:
+        return  # their full-state saves go to the CheckpointIO on rank 0
+    if type(strategy).save_checkpoint is base.save_checkpoint:
+        return  # the stock save: the CheckpointIO writes it
+    with _patch_lock:
+        if not isinstance(strategy.__dict__.get("save_checkpoint"), _Unrouted):
+            strategy.save_checkpoint = _Unrouted(strategy, plugin)
+
+
+class _Unrouted:
+    """A strategy's own ``save_checkpoint``, watched: when it returns on global rank 0 and
+    the plugin was not asked to save anything meanwhile, the checkpoint was written without
+    FastPersist, which is said once (a ``FastPersistWarning`` naming the fix). A class, not
+    a closure: a strategy is pickled with it for spawned processes."""
+
+    def __init__(self, strategy: Any, plugin: Any) -> None:
+        self.strategy = strategy
+        self.plugin = plugin
+        self.warned = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        before = self.plugin._save_calls
+        out = type(self.strategy).save_checkpoint(self.strategy, *args, **kwargs)
+        if not self.warned and self.plugin._save_calls == before and getattr(self.strategy, "is_global_zero", True):
+            self.warned = True
+            from ._policy import FastPersistWarning
+
+            name = type(self.strategy).__name__
+            path = args[1] if len(args) > 1 else kwargs.get("filepath")
+            fix = ("DeepSpeed writes its own checkpoint directory (its engine's save_checkpoint); for "
+                   "FastPersist checkpoints use ModelParallelStrategy, FSDPStrategy or DDP"
+                   if "DeepSpeedStrategy" in _class_names(self.strategy) else
+                   f"make {name}.save_checkpoint hand the checkpoint to self.checkpoint_io.save_checkpoint "
+                   "(as Lightning's Strategy.save_checkpoint does), or write it with fp_core.save there")
+            warnings.warn(f"FastPersist: {name} saved checkpoint {path} itself, without its CheckpointIO: "
+                          f"FastPersistIO did not write it (not atomic, not checksummed by FastPersist). "
+                          f"Fix: {fix}.", FastPersistWarning, stacklevel=2)
+        return out
 
 
 @contextlib.contextmanager
@@ -138,4 +381,4 @@ def _reads_through_fastpersist(strategy: Any, verify: bool) -> Iterator[None]:
                 m._distributed_checkpoint_load = fn
 
 
-__all__ = ["install", "sharded_state_key"]
+__all__ = ["file_mode", "install", "on_assigned", "patch_strategy_class", "sharded_state_key"]
