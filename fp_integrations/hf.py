@@ -82,9 +82,27 @@ shards of the model and optimizer in the background, in accelerate's layout
 (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, DCP directories written by
 ``fp_core.dcp.FastPersistWriter``: the stock resume reads them), the small files as
 above, and the directory is committed after every rank's writes; resume verifies every
-item. FSDP1, other FSDP state dict types, PEFT under FSDP, DeepSpeed (its own checkpoint
+item.
+
+FSDP2 with ``FULL_STATE_DICT``: stock gathers the full model to rank 0 twice per
+checkpoint (``model.safetensors`` through ``save_model``, ``pytorch_model_fsdp.bin``) and
+the full optimizer state once (``optimizer.bin``). The callback writes the same files,
+names and keys with no gather: each is one file of the full state that every rank writes
+its own rows of (``fp_core.save(..., layout="file")``; the optimizer file in the form of
+``get_optimizer_state_dict(full_state_dict=True)``, parameter names as keys). For the
+safetensors, the saving rank runs the Trainer's own ``_save`` / ``save_pretrained`` on
+stand-ins of the full tensors that hold no memory (config, ``training_args.bin``, index
+and shard names, ``{"format": "pt"}`` as stock) and the ranks write the tensors it would
+have written; tied weights are dropped as ``save_pretrained`` drops them for the model
+itself (stock's gather on several ranks unties them, so its file also holds
+``lm_head.weight``; ``from_pretrained`` ties it again either way). ``trainer.save_model()``
+is taken over the same way. ``from_pretrained`` on one process and the stock resume on any
+world size read these files.
+
+FSDP1, other FSDP state dict types, PEFT under FSDP, DeepSpeed (its own checkpoint
 engine), XLA/TPU, SageMaker MP, models sharded at load time, ``push_to_hub`` and Trainer
-subclasses that override ``_save_checkpoint`` fall back to the stock save, with one warning.
+subclasses that override ``_save_checkpoint`` (or ``save_model``, under FULL_STATE_DICT)
+fall back to the stock save, with one warning.
 
 Errors: ``on_error="raise"`` (default) re-raises a failed checkpoint in the training
 loop (at the save itself, or at the next fence / drain for background failures);
@@ -252,6 +270,9 @@ def _fsdp_fallback_reason(trainer: Any) -> str | None:
         return f"FSDP with {plugin.state_dict_type} (FastPersist saves SHARDED_STATE_DICT and FULL_STATE_DICT)"
     if hasattr(getattr(trainer, "model", None), "peft_config"):  # how accelerate tells a PEFT model
         return "a PEFT model under FSDP (accelerate saves only its adapter)"
+    if _fsdp_full(trainer) and getattr(type(trainer), "save_model", None) is not getattr(Trainer, "save_model", None):
+        # FastPersist writes save_model's files itself under FULL_STATE_DICT
+        return f"{type(trainer).__name__} overrides save_model"
     return None
 
 
@@ -555,11 +576,16 @@ class FastPersistCallback(TrainerCallback):
         tr = self.trainer
         output_dir = output_dir if output_dir is not None else tr.args.output_dir
         self.wait()  # this save's collectives follow the earlier checkpoints' on every rank
-        model_sd, _ = _fsdp_state(tr, optimizer=False)
-        handles = _save_full_model(tr, self.checkpointer, output_dir, model_sd)
-        del model_sd
-        for h in handles:
-            h.result()
+        own = self._ckptr is None  # after train() (closed at its end): a checkpointer for this save
+        try:
+            model_sd, _ = _fsdp_state(tr, optimizer=False)
+            handles = _save_full_model(tr, self.checkpointer, output_dir, model_sd)
+            del model_sd
+            for h in handles:
+                h.result()
+        finally:
+            if own:
+                self.close()
 
     def _uninstall(self) -> None:
         t = self._installed_on
