@@ -23,6 +23,8 @@ saved full tensor only (:mod:`fp_core.sharded_load`).
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import sys
 import threading
@@ -71,6 +73,7 @@ class _Fill:
     record: tuple[int, int]  # (offset, size) of the storage record holding them
     source: Any  # SavedTensor (storage offset, strides) for a copy; a loaded tensor where read whole
     shard: LocalRows | None = None  # the target is a DTensor's local shard: only its rows are read
+    counts: bool = True  # a target tensor of its own (not a later segment of a DTensor's block)
 
 
 class _MetaSlices:
@@ -266,25 +269,32 @@ class _Matcher:
         return saved  # numbers, strings, ...: the file's
 
     def _dtensor(self, saved: SavedTensor | torch.Tensor, target: torch.Tensor, key: str) -> torch.Tensor:
-        """A DTensor target (its global shape and dtype already matched): only the rows of
-        its local shard are read, into the local shard."""
+        """A DTensor target (its global shape and dtype already matched): only the block
+        of its local shard is read, into the local shard: its rows, one byte range, where
+        only dimension 0 is sharded; else the segments of the saved rows the block holds."""
         rows = local_rows(target, key)
-        if isinstance(saved, torch.Tensor):  # loaded whole (no offsets): its rows copied
-            src = saved[rows.start:rows.start + rows.shape[0]] if saved.ndim else saved
+        if isinstance(saved, torch.Tensor):  # loaded whole (no offsets): its block copied
+            src = saved[tuple(slice(o, o + n) for o, n in zip(rows.offsets, rows.shape))] if saved.ndim else saved
             self.fills.append(_Fill(key, rows.local, -1, 0, (-1, 0), src, rows))
             return target
         es = saved.element_size
-        # the ranks' row ranges tile the storage's bytes only where the saved tensor is the
+        # the ranks' blocks tile the storage's bytes only where the saved tensor is the
         # whole storage, row-major: else each rank checks the storage whole (verify)
         tiles = saved.is_contiguous() and saved.storage_offset == 0 and saved.numel() * es == saved.storage_nbytes
         self.sharded.append((rows.mesh, saved.offset, saved.storage_nbytes, tiles))
-        first = saved.storage_offset + (rows.start * saved.stride[0] if saved.shape else 0)
+        first = saved.storage_offset + sum(o * st for o, st in zip(rows.offsets, saved.stride))
         part = SavedTensor(saved.offset, saved.storage_nbytes, saved.dtype, first, rows.shape, saved.stride)
         numel, last = _span(part.shape, part.stride)
         if numel == 0:
             return target  # an empty shard: nothing to read
-        self.fills.append(_Fill(key, rows.local, saved.offset + first * es, (last + 1) * es,
-                                (saved.offset, saved.storage_nbytes), part, rows))
+        record = (saved.offset, saved.storage_nbytes)
+        segments = _segments(part, tuple(saved.shape), rows) if not part.is_contiguous() and saved.is_contiguous() else None
+        if segments is None:  # one byte range: the rows, or the span a block lies in (copied out of it)
+            self.fills.append(_Fill(key, rows.local, saved.offset + first * es, (last + 1) * es, record, part, rows))
+            return target
+        for i, (elem, into, seg) in enumerate(segments):
+            self.fills.append(_Fill(key, into, saved.offset + elem * es, seg.numel() * es, record, seg, rows,
+                                    counts=i == 0))
         return target
 
     def _optimizer(self, saved: Mapping, target: Mapping, key: str) -> dict:
@@ -345,6 +355,34 @@ def _created_like(param: torch.Tensor | None, k: Any, saved: Any) -> Any:
     local = torch.empty(like.shape, dtype=saved.dtype, device=like.device)
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False, shape=param.shape,
                               stride=param.stride())
+
+
+_MAX_SEGMENTS = 1 << 16  # beyond, a block is read as the one span it lies in and copied out
+
+
+def _segments(part: SavedTensor, full: tuple[int, ...], rows: LocalRows) -> list[tuple[int, torch.Tensor, SavedTensor]] | None:
+    """A block of a row-major saved tensor (``part``: its view) as the byte ranges it is
+    made of: for every index of the dimensions before the last one the block does not span
+    whole, (first element in the storage, the local shard's view it fills, that segment as a
+    saved tensor). None where the local shard cannot take them in place (not in host
+    memory, not row-major) or they are too many (the span is read once instead)."""
+    local = rows.local
+    if local.device.type != "cpu" or not local.is_contiguous():
+        return None
+    shape, stride = part.shape, part.stride
+    # the last dimension the block does not span whole (``full``: the saved tensor's shape):
+    # from it on, each segment is row-major
+    j = max(i for i in range(len(shape)) if i == 0 or shape[i] != full[i])
+    outer = shape[:j]
+    if math.prod(outer) > _MAX_SEGMENTS:
+        return None
+    inner, inner_stride = tuple(shape[j:]), tuple(stride[j:])
+    out = []
+    for idx in itertools.product(*(range(n) for n in outer)):
+        elem = part.storage_offset + sum(i * st for i, st in zip(idx, stride))
+        seg = SavedTensor(part.offset, part.storage_nbytes, part.dtype, elem, inner, inner_stride)
+        out.append((elem, local[idx], seg))
+    return out
 
 
 def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, int]:
@@ -679,7 +717,7 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
         with cf.native_reader() as reader:
             crcs = read_depth.scatter(reader, [(f.offset, f.target.data_ptr(), f.nbytes) for f in direct],
                                       view is not None)
-            stats.tensors += len(direct)
+            stats.tensors += sum(f.counts for f in direct)
             stats.tensor_bytes += sum(f.nbytes for f in direct)
             for f, crc in zip(direct, crcs):
                 piece(f, crc)
@@ -694,7 +732,7 @@ def _read_fills(cf: CheckpointFile, view: ManifestView | None, fills: list[_Fill
                 host = torch.empty(size, dtype=torch.uint8)
                 crc = reader.read_into(off, host.data_ptr(), size, checksum=view is not None,
                                        threads=read_depth.THREADS, chunk_bytes=read_depth.CHUNK)
-                stats.tensors += 1
+                stats.tensors += f.counts
                 stats.tensor_bytes += size
                 piece(f, crc)
                 if (off, size) == f.record and off in records:

@@ -5,8 +5,11 @@ holds each tensor whole. A target DTensor placed ``Shard(0)`` and ``Replicate()`
 mesh's dimensions (FSDP2, HSDP, any mesh: the ranks need not be those that saved) holds
 rows ``[r0, r0 + n)`` of it, where DTensor's own layout says (``r0`` from
 ``compute_local_shape_and_global_offset``): in a row-major saved tensor those rows are one
-byte range, which is all this rank reads, straight into the local shard's memory. Nothing
-is gathered; no rank reads another rank's rows.
+byte range, which is all this rank reads, straight into the local shard's memory. A target
+also sharded on a later dimension (``Shard(d)``, tensor parallel) holds a block whose rows
+are segments of the saved rows: each a byte range read straight into its place in the
+local shard, all in one scatter read. Nothing is gathered; no rank reads another rank's
+rows.
 
 With ``verify=True`` each rank checksums only the bytes it reads, so a storage's CRC-32C
 is put together from the pieces of the ranks of the DTensor's mesh: one piece per byte,
@@ -49,13 +52,14 @@ class LoadIntoStats:
 
 @dataclass(frozen=True)
 class LocalRows:
-    """The rows of the full tensor a DTensor's local shard holds, on this rank."""
+    """The block of the full tensor a DTensor's local shard holds, on this rank."""
 
     local: torch.Tensor  # the local shard (``to_local()``: its storage is the DTensor's)
     start: int  # first row in the full tensor
     shape: tuple[int, ...]  # of the local shard
     contributes: bool  # this rank's bytes are the ones counted in a combined checksum
     mesh: Any  # DeviceMesh
+    offsets: tuple[int, ...] = ()  # the block's first index in every dimension (``start`` first)
 
 
 def is_dtensor(x: Any) -> bool:
@@ -64,19 +68,19 @@ def is_dtensor(x: Any) -> bool:
 
 
 def local_rows(dt: Any, key: str) -> LocalRows:
-    """Where ``dt``'s local shard lies in its full tensor; ``ValueError`` naming ``key`` and
-    the placement for any placement other than ``Shard(0)`` and ``Replicate()`` (their
-    shards are not row ranges of the saved tensor)."""
+    """Where ``dt``'s local shard lies in its full tensor: a block, its first index in every
+    dimension and its shape (``Shard(d)`` on any dimension, on any mesh dimension, and
+    ``Replicate()``); ``ValueError`` naming ``key`` and the placement for any other
+    placement (``_StridedShard``, ``Partial``: their shards are no block of the saved tensor)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
     for p in dt.placements:
-        ok = isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, _StridedShard)
-                                          and p.dim == 0 and dt.ndim > 0)
+        ok = isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, _StridedShard) and dt.ndim > 0)
         if not ok:
             raise ValueError(f"load_into: {key or 'the tensor'} is a DTensor placed {p!r} (placements "
-                             f"{tuple(dt.placements)}): only Shard(0) and Replicate() are read from one file")
+                             f"{tuple(dt.placements)}): only Shard(d) and Replicate() are read from one file")
     mesh = dt.device_mesh
     shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
     with torch.no_grad():  # the local shard itself, not an autograd view of it
@@ -86,7 +90,7 @@ def local_rows(dt: Any, key: str) -> LocalRows:
                          f"its placements {tuple(dt.placements)} on its mesh say {tuple(shape)}")
     coord = mesh.get_coordinate()
     contributes = coord is not None and all(c == 0 for c, p in zip(coord, dt.placements) if isinstance(p, Replicate))
-    return LocalRows(local, offset[0] if dt.ndim else 0, tuple(shape), contributes, mesh)
+    return LocalRows(local, offset[0] if dt.ndim else 0, tuple(shape), contributes, mesh, tuple(offset))
 
 
 def _group(mesh: Any) -> Any:

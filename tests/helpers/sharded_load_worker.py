@@ -5,7 +5,8 @@ each rank reports to DIR/result<RANK>.json, rank 0 to DIR/result.json as well.
 
 Scenarios: ``roundtrip`` (FSDP: save with layout="file", then load it back), ``fsdp`` and
 ``hsdp`` (load each FILE of DIR: ``*.pt`` written by FastPersist with verify=True, ``plain*``
-written by torch.save without; ``strided.pt``: a transposed tensor), ``refuse`` (a global shape that differs, a Shard(1) target,
+written by torch.save without; ``strided.pt``: a transposed tensor), ``layouts`` (load each FILE on each mesh and
+placements of :func:`layouts`: HSDP, tensor parallel), ``refuse`` (a global shape that differs, a _StridedShard target,
 and the damaged file FILE with verify=True), ``module`` (an FSDP2 model and a fresh Adam
 resumed from FILE, saved by the test process from ``trained()``).
 """
@@ -135,6 +136,22 @@ def strided_check(mesh: Any, placements: list, path: str) -> dict:
     return {"equal": torch.equal(target["w"].to_local(), expected), "check_bytes": stats.check_bytes}
 
 
+def layouts(world: int) -> dict[str, tuple[Any, list]]:
+    """The meshes and placements of the ``layouts`` scenario: on 4 ranks a 2 x 2 mesh, HSDP
+    (Replicate x Shard(0)), FSDP x tensor parallel (Shard(0) x Shard(1)) and replicated
+    tensor parallel (Replicate x Shard(1)); on any other number, FSDP and tensor parallel
+    (Shard(1)) on one dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2))
+        return {"hsdp": (mesh, [Replicate(), Shard(0)]), "fsdp_tp": (mesh, [Shard(0), Shard(1)]),
+                "replicated_tp": (mesh, [Replicate(), Shard(1)])}
+    mesh = init_device_mesh("cpu", (world,))
+    return {"fsdp": (mesh, [Shard(0)]), "tp": (mesh, [Shard(1)])}
+
+
 def refused(fn: Any) -> str:
     try:
         fn()
@@ -168,6 +185,9 @@ def main() -> None:
                                for f in files if not f.startswith("strided")}
             if "strided.pt" in files:
                 result["strided"] = strided_check(mesh, placements, os.path.join(d, "strided.pt"))
+        elif scenario == "layouts":
+            result["loads"] = {f"{name}/{f}": load_and_check(m, pl, os.path.join(d, f), not f.startswith("plain"))
+                               for name, (m, pl) in layouts(world).items() for f in files}
         elif scenario == "module":
             result["module"] = module_resume(os.path.join(d, files[0]))
         elif scenario == "refuse":
@@ -177,11 +197,16 @@ def main() -> None:
             stats = LoadIntoStats()
             result["shape"] = refused(lambda: fp_core.load_into(wrong, path, stats=stats))
             result["shape_bytes_read"] = stats.bytes_read
-            cols = sharded_state(mesh, zeroed(full_state()), placements)
-            cols["model"]["w"] = distribute_tensor(torch.zeros(37, 64), mesh, [Shard(1)])
+            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            strided = sharded_state(mesh, zeroed(full_state()), placements)
+            # rows interleaved among the ranks (FSDP over TP's shards): no block of the saved tensor
+            strided["model"]["w"] = DTensor.from_local(torch.zeros(19, 64), mesh, [_StridedShard(0, split_factor=2)],
+                                                       run_check=False, shape=torch.Size((37, 64)), stride=(64, 1))
             stats = LoadIntoStats()
-            result["shard1"] = refused(lambda: fp_core.load_into(cols, path, stats=stats))
-            result["shard1_bytes_read"] = stats.bytes_read
+            result["strided_shard"] = refused(lambda: fp_core.load_into(strided, path, stats=stats))
+            result["strided_shard_bytes_read"] = stats.bytes_read
             bad = os.path.join(d, files[0])
             result["damaged"] = refused(lambda: fp_core.load_into(
                 sharded_state(mesh, zeroed(full_state()), placements), bad, verify=True))

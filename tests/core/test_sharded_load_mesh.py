@@ -1,0 +1,40 @@
+"""load_into of one file of the full state on N-D meshes and tensor-parallel placements
+(issue 39): a file saved by 2 ranks with layout="file" loaded on 4 ranks (HSDP on 2 x 2,
+FSDP x tensor parallel, replicated tensor parallel) and on 3 (FSDP and Shard(1): uneven
+rows and columns), verified; each rank reads only its own block, in place."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from conftest import HELPERS
+from test_sharded_load import assert_loaded, ranks, write_files
+
+sys.path.insert(0, HELPERS)
+from sharded_file_worker import full_state  # noqa: E402
+
+
+def test_saved_on_two_ranks_loaded_on_four_and_three(disk_dir):
+    ranks("roundtrip", disk_dir, 2)  # writes full.pt with layout="file" on 2 ranks
+    torch.save(full_state(), os.path.join(disk_dir, "plain.pt"))
+    results = ranks("layouts", disk_dir, 4, "full.pt", "plain.pt")
+    for name in ("hsdp", "fsdp_tp", "replicated_tp"):
+        assert_loaded(results, f"{name}/full.pt")
+        assert_loaded(results, f"{name}/plain.pt")
+    hsdp = [r["loads"]["hsdp/full.pt"]["shard_bytes"] for r in results]
+    assert hsdp[0] == hsdp[2] and hsdp[1] == hsdp[3] and hsdp[0] != hsdp[1]  # replicas read the same rows
+    tp = [r["loads"]["fsdp_tp/full.pt"]["shard_bytes"] for r in results]
+    assert len(set(tp)) > 1 and sum(tp) == sum(hsdp[:2])  # four blocks make each tensor once
+    results = ranks("layouts", disk_dir, 3, "full.pt", "plain.pt")
+    for name in ("fsdp", "tp"):
+        assert_loaded(results, f"{name}/full.pt")
+        assert_loaded(results, f"{name}/plain.pt")
+    assert len({r["loads"]["tp/full.pt"]["shard_bytes"] for r in results}) > 1  # uneven columns
+
+
+def test_one_file_of_one_process_on_three_ranks_tensor_parallel(disk_dir):
+    write_files(disk_dir)
+    results = ranks("layouts", disk_dir, 3, "fp.pt")
+    assert_loaded(results, "tp/fp.pt")
