@@ -104,7 +104,7 @@ def _ranks(scenario: str, d: str, timeout: float) -> list[dict]:
 
 
 def test_lying_files_on_two_ranks_shard_replicate_hsdp(disk_dir):
-    """Every lie, loaded into DTensors on 2 ranks (Shard(0), Replicate(), HSDP), verified
+    """Every lie, loaded into DTensors on 2 ranks (Shard(0), Replicate(), HSDP, Shard(1)), verified
     and not: every rank raises CorruptCheckpointError naming the path (also the rank
     whose rows lie inside the record), promptly; no sentinel around a local shard moves;
     a load that goes through fills each rank's rows as torch.load reads them."""
@@ -124,7 +124,7 @@ def test_lying_files_on_two_ranks_shard_replicate_hsdp(disk_dir):
         json.dump(cases, f)
     results = _ranks("family", disk_dir, timeout=400)
     loads = [x for r in results for x in r["loads"]]
-    assert len(loads) == 2 * 3 * len(cases)
+    assert len(loads) == 2 * 4 * len(cases)
     for x in loads:
         what = (x["file"], x["layout"], x["verify"], x["outcome"])
         assert x["fence"], what

@@ -8,7 +8,7 @@ Scenarios:
 - ``family``: every file DIR/cases.json lists (``[{"file", "case", "verify"}]``; ``case``
   a key of :data:`sharded_load_hostile.CASES`, a target shaped as it declares) loaded into a
   fenced DTensor target placed ``Shard(0)``, ``Replicate()`` and HSDP (``Replicate(),
-  Shard(0)`` on a 1 x 2 mesh); per load: the outcome, whether the sentinels around the
+  Shard(0)`` on a 1 x 2 mesh) and tensor parallel (``Shard(1)``); per load: the outcome, whether the sentinels around the
   local shard held, whether a load that went through filled the shard with its rows as
   ``torch.load`` gives them, and its seconds.
 - ``one_fails``: rank 1 alone fails before its reads (its file missing, its target of
@@ -44,8 +44,10 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
-def fenced_dtensor(shape: tuple[int, ...], dtype: torch.dtype, mesh: Any, placements: list) -> tuple[Any, Any, int]:
-    """(DTensor of global ``shape`` whose local shard is fenced, the fence, its local rows)."""
+def fenced_dtensor(shape: tuple[int, ...], dtype: torch.dtype, mesh: Any,
+                   placements: list) -> tuple[Any, Any, tuple[slice, ...]]:
+    """(DTensor of global ``shape`` whose local shard is fenced, the fence, the block of
+    the full tensor its local shard holds)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -53,7 +55,7 @@ def fenced_dtensor(shape: tuple[int, ...], dtype: torch.dtype, mesh: Any, placem
     local, big = fenced(tuple(local_shape), dtype)
     dt = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
                             stride=contiguous_stride(shape))
-    return dt, big, (offset[0] if shape else 0)
+    return dt, big, tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
 
 
 def family(d: str) -> dict:
@@ -63,7 +65,7 @@ def family(d: str) -> dict:
     flat = init_device_mesh("cpu", (2,))
     hsdp = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     layouts = {"shard": (flat, [Shard(0)]), "replicate": (flat, [Replicate()]),
-               "hsdp": (hsdp, [Replicate(), Shard(0)])}
+               "hsdp": (hsdp, [Replicate(), Shard(0)]), "tensor parallel": (flat, [Shard(1)])}
     with open(os.path.join(d, "cases.json")) as f:
         cases = json.load(f)
     out = []
@@ -72,7 +74,7 @@ def family(d: str) -> dict:
         shape, dtype = declared(c["case"]) if c["case"] in CASES else (tuple(c["shape"]), torch.float32)
         whole = outcome(torch.load, path, weights_only=True)
         for name, (mesh, placements) in layouts.items():
-            dt, big, start = fenced_dtensor(shape, dtype, mesh, placements)
+            dt, big, block = fenced_dtensor(shape, dtype, mesh, placements)
             t0 = time.monotonic()
             got = outcome(fp_core.load_into, {"w": dt, "epoch": 0}, path, verify=c["verify"])
             seconds = time.monotonic() - t0
@@ -81,7 +83,7 @@ def family(d: str) -> dict:
             filled = None
             if not got and not whole:
                 full = torch.load(path, weights_only=True)["w"]
-                filled = bool(torch.equal(local, full[start:start + rows]))
+                filled = bool(torch.equal(local, full[block]))
             out.append({"file": c["file"], "case": c["case"], "verify": c["verify"], "layout": name,
                         "outcome": got, "fence": fence_intact(big, rows), "filled": filled, "seconds": seconds})
     return {"loads": out}
