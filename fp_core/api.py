@@ -141,8 +141,10 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     ``{name: DTensor or tensor}`` dict (a model's state dict under FSDP2's ``fully_shard``)
     is written the same way as one safetensors file of the full tensors, ``metadata`` in
     its header, as ``from_pretrained`` reads it; one tensor under two names (tied weights)
-    is refused: drop the duplicate first, as ``save_pretrained`` does. Other placements are
-    refused (see :mod:`fp_core.sharded_file`).
+    is refused: drop the duplicate first, as ``save_pretrained`` does. Tensor parallel's
+    ``Shard(d)`` and FSDP2 x TP's ``_StridedShard`` (any mesh) are written too, each local
+    shard as the runs of the full tensor's bytes it holds; ``Partial`` is refused on every
+    rank before anything is created (see :mod:`fp_core.sharded_file`).
     """
     opts, rest = EngineOptions.pick(dict(options))
     if rest:

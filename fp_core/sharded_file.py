@@ -31,18 +31,27 @@ tensors start on a block after it, rank 0 writes it last, whole, with its checks
 the commit. A tensor under two names (tied weights) is refused on every rank before anything
 is created; ``save_pretrained`` drops such duplicates itself, and so must the caller.
 
-Placements other than ``Shard(0)`` and ``Replicate()`` (``Shard(1)``, ``_StridedShard``,
-``Partial``) are refused before anything is created, naming the tensor.
+Other placements: a ``Shard(d)`` of a later dimension (tensor parallel) or a
+``_StridedShard`` (FSDP2 over tensor parallel), on any mesh, is a product of index sets of
+the full tensor, so its local shard is many runs of the full tensor's bytes
+(:func:`shard_segments`: one per index of the dimensions before the last one it does not
+hold whole). Each run is a piece like a ``Shard(0)`` shard's, with its own CRC-32C; blocks
+where two ranks' runs meet go through the page cache as above, whole blocks stay O_DIRECT.
+``Partial`` is refused on every rank before anything is created, naming the tensor, its
+placement and ``layout="dcp"``: its values are partial sums, and writing them would need a
+reduction.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
+import math
 import mmap
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,8 +95,9 @@ def _walk_dtensors(obj: Any, kind: type) -> list[tuple[str, Any]]:
 
 
 def check_placements(obj: Any) -> None:
-    """Refuse a state any of whose DTensors is placed other than ``Shard(0)`` or
-    ``Replicate()`` on each mesh dimension, naming the first such tensor."""
+    """Refuse a state any of whose DTensors is placed other than ``Shard(d)``,
+    ``_StridedShard`` or ``Replicate()`` on each mesh dimension (``Partial``: its values
+    are partial sums, a write would need a reduction), naming the first such tensor."""
     kind = dtensor_type()
     if kind is None:
         return
@@ -96,13 +106,73 @@ def check_placements(obj: Any) -> None:
 
     for path, dt in _walk_dtensors(obj, kind):
         for p in dt.placements:
-            ok = isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, _StridedShard)
-                                              and p.dim == 0 and dt.ndim > 0)
+            ok = isinstance(p, Replicate) or (isinstance(p, (Shard, _StridedShard)) and 0 <= p.dim < dt.ndim)
             if not ok:
                 raise UnsupportedPlacementError(
                     f"{path}: a DTensor placed {p!r} (placements {tuple(dt.placements)}) cannot be written into one "
-                    "file by its ranks: layout=\"file\" takes Shard(0) and Replicate() only; save this state with "
-                    "layout=\"dcp\"")
+                    "file by its ranks: layout=\"file\" takes Shard(d), _StridedShard and Replicate(); save this "
+                    "state with layout=\"dcp\"")
+
+
+def global_indices(dt: Any) -> list[Sequence[int]]:
+    """For each dimension of ``dt``, the global indices of this rank's local shard along
+    it, in the local shard's order (its local shard is the full tensor at their product)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh, placements = dt.device_mesh, tuple(dt.placements)
+    if not any(isinstance(p, _StridedShard) for p in placements):  # a box: one range per dimension
+        shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, placements)
+        return [range(o, o + n) for o, n in zip(offset, shape)]
+    out: list[Sequence[int]] = []
+    for d, size in enumerate(dt.shape):
+        if not any(isinstance(p, (Shard, _StridedShard)) and p.dim == d for p in placements):
+            out.append(range(size))
+            continue
+        # The placements that shard dimension d, applied by DTensor itself to its indices
+        # (each rank chunks its own copy: src_data_rank=None sends nothing).
+        on_d = [(_StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0))
+                if isinstance(p, (Shard, _StridedShard)) and p.dim == d else Replicate() for p in placements]
+        out.append(distribute_tensor(torch.arange(size), mesh, on_d, src_data_rank=None).to_local().tolist())
+    return out
+
+
+def _runs(idx: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive indices: (first global index, first local index, length)."""
+    if isinstance(idx, range):
+        return [(idx.start, 0, len(idx))] if len(idx) else []
+    out: list[list[int]] = []
+    for i, g in enumerate(idx):
+        if out and out[-1][0] + out[-1][2] == g:
+            out[-1][2] += 1
+        else:
+            out.append([g, i, 1])
+    return [(g, i, n) for g, i, n in out]
+
+
+def shard_segments(shape: Sequence[int], idx: list[Sequence[int]], itemsize: int) -> list[tuple[int, int, int]]:
+    """The byte runs of a local shard (the full tensor of ``shape`` at the product of the
+    per-dimension indices ``idx``, row-major) in the full tensor's row-major bytes:
+    ``(full offset, local offset, length)``, in local order. ``Shard(0)`` is one run; a
+    shard of a later dimension is one run per index of the dimensions before it."""
+    if not all(len(i) for i in idx):
+        return []
+    n = len(shape)
+    k = n - 1  # the last dimension the shard does not hold whole: runs are along it
+    while k >= 0 and len(idx[k]) == shape[k]:
+        k -= 1
+    inner = math.prod(shape[k + 1:]) * itemsize
+    if k < 0:
+        return [(0, 0, inner)]
+    strides = [math.prod(shape[j + 1:]) * itemsize for j in range(n)]
+    runs = [(g * inner, i * inner, m * inner) for g, i, m in _runs(idx[k])]
+    row = len(idx[k]) * inner  # the local bytes of one index of the dimensions before k
+    out = []
+    for o, outer in enumerate(itertools.product(*idx[:k])):
+        base = sum(g * st for g, st in zip(outer, strides))
+        out.extend((base + g, o * row + i, m) for g, i, m in runs)
+    return out
 
 
 def check_safetensors_state(obj: Any) -> None:
@@ -212,9 +282,9 @@ class ShardedFileSave(CollectiveSave):
                 self.held.append(_Held(s.record, 0, s.offset, s.length, s.source, everyone, me))
                 continue
             path, dt = hit
-            start, source, holders, index = self._local_bytes(path, dt, cg_ranks)
-            if source.numel():
-                self.held.append(_Held(s.record, start, s.offset + start, source.numel(), source, holders, index))
+            segments, source, holders, index = self._local_bytes(path, dt, cg_ranks)
+            for start, at, n in segments:
+                self.held.append(_Held(s.record, start, s.offset + start, n, source[at:at + n], holders, index))
         h = hashlib.sha256(f"{self.format} {full.file_size} {full.manifest_header_offset}".encode())
         for off, data in full.skeleton.segments():
             h.update(f"{off}:{len(data)}:".encode())
@@ -287,11 +357,12 @@ class ShardedFileSave(CollectiveSave):
 
         return full, owner
 
-    def _local_bytes(self, path: str, dt: Any, cg_ranks: list[int]) -> tuple[int, torch.Tensor, tuple[int, ...], int]:
+    def _local_bytes(self, path: str, dt: Any, cg_ranks: list[int]
+                     ) -> tuple[list[tuple[int, int, int]], torch.Tensor, tuple[int, ...], int]:
         """Where this rank's local shard of ``dt`` lies in the full tensor's storage (its
-        first byte), its bytes, and the coordination-group ranks that hold the same shard."""
+        byte runs: full offset, local offset, length), its bytes, and the
+        coordination-group ranks that hold the same shard."""
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         mesh = dt.device_mesh
         ranks = mesh.mesh
@@ -299,22 +370,18 @@ class ShardedFileSave(CollectiveSave):
             raise CollectiveSaveError(f"{path}: the DTensor's mesh (ranks {sorted(ranks.flatten().tolist())}) is not "
                                       f"the save's group (ranks {sorted(cg_ranks)}); save with layout=\"dcp\"")
         coord = mesh.get_coordinate()
-        local_shape, global_offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+        idx = global_indices(dt)
         local = dt.to_local()
-        if tuple(local.shape) != tuple(local_shape):
+        if tuple(local.shape) != tuple(len(i) for i in idx):
             raise CollectiveSaveError(f"{path}: the local shard has shape {tuple(local.shape)}, its placements "
-                                      f"{tuple(dt.placements)} give {tuple(local_shape)}")
-        if dt.ndim == 0:
-            start = 0
-        else:
-            row_bytes = dt.numel() // dt.shape[0] * dt.element_size() if dt.shape[0] else 0
-            start = global_offset[0] * row_bytes if local.numel() else 0
+                                      f"{tuple(dt.placements)} give {tuple(len(i) for i in idx)}")
         if not local.is_contiguous():  # FSDP2's shards are; another state's may not be
             local = local.contiguous()
         source = local.reshape(-1).view(torch.uint8) if local.numel() else torch.empty(0, dtype=torch.uint8)
+        segments = shard_segments(tuple(dt.shape), idx, dt.element_size()) if local.numel() else []
         pick = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(dt.placements, coord))
         holders = [dist.get_group_rank(self.cg, g) for g in ranks[pick].flatten().tolist()]
-        return start, source, tuple(holders), holders.index(dist.get_rank(self.cg))
+        return segments, source, tuple(holders), holders.index(dist.get_rank(self.cg))
 
     # -- the collective save's steps --------------------------------------------------
 
@@ -484,4 +551,5 @@ class ShardedFileSave(CollectiveSave):
         return stats
 
 
-__all__ = ["ShardedFileSave", "UnsupportedPlacementError", "check_placements"]
+__all__ = ["ShardedFileSave", "UnsupportedPlacementError", "check_placements", "check_safetensors_state",
+           "global_indices", "shard_segments"]

@@ -103,15 +103,44 @@ def test_hsdp_state_four_ranks(disk_dir):
     assert sum(r["rank_bytes"] for r in results) == results[0]["file_size"]
 
 
-def test_other_placements_refused_on_every_rank_before_any_file(disk_dir):
-    results = ranks("shard1", disk_dir, 2)
+def assert_safetensors_file(path: str, expected: dict) -> None:
+    from safetensors.torch import load_file
+
+    got = load_file(path)
+    assert sorted(got) == sorted(expected)
+    for k, v in expected.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+    assert fp_core.verify(path)["checksums"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shard_of_later_dimensions_written_partial_refused(disk_dir, world):
+    results = ranks("shard1", disk_dir, world)
+    assert all(r["ok"] for r in results), results
+    expected = full_state()
+    m = expected["model"]
+    buf = m.pop("buf")  # the worker's order: the DTensors, then the plain tensor, then "rows"
+    m.update(narrow=torch.arange(12.0).reshape(6, 2, 1), buf=buf, rows=m["big"][:10].clone())
+    assert_full_file(os.path.join(disk_dir, "full.pt"), expected)
+    assert sum(r["rank_bytes"] for r in results) == results[0]["file_size"]  # every byte written once
+    assert_safetensors_file(os.path.join(disk_dir, "model.safetensors"), expected["model"])
+    # Partial (partial sums) is refused on every rank before anything is created, both formats
     for r in results:
-        assert not r["ok"]
-        assert "UnsupportedPlacementError" in r["error"] and "model.col" in r["error"]
-        assert "Shard(dim=1)" in r["error"] and 'layout="dcp"' in r["error"]
-        assert "x.partial" in r["partial"] and "Partial" in r["partial"] and 'layout="dcp"' in r["partial"]
-        assert "x.strided" in r["strided"] and "_StridedShard" in r["strided"]
-    assert not os.path.exists(os.path.join(disk_dir, "full.pt"))
+        for key, name in (("partial", "model.partial: "), ("partial_st", "partial: ")):
+            assert r[key].startswith(f"UnsupportedPlacementError: {name}a DTensor placed Partial"), r
+            assert 'layout="dcp"' in r[key], r
+    assert not [n for n in os.listdir(disk_dir) if n.startswith("partial")]
+    assert no_temp_files(disk_dir)
+
+
+def test_fsdp_by_tensor_parallel_on_a_2d_mesh(disk_dir):
+    results = ranks("tp2d", disk_dir, 4)
+    assert all(r["ok"] for r in results), results
+    assert "_StridedShard" in results[0]["placements"]["w"] and "Shard(dim=1)" in results[0]["placements"]["big"]
+    expected = full_state()
+    expected["model"]["cube"] = torch.arange(7 * 5 * 3.0).reshape(7, 5, 3)
+    assert_full_file(os.path.join(disk_dir, "full.pt"), expected)
+    assert_safetensors_file(os.path.join(disk_dir, "model.safetensors"), expected["model"])
     assert no_temp_files(disk_dir)
 
 
@@ -135,3 +164,37 @@ def test_replicas_that_differ_and_states_that_differ(disk_dir):
         assert "rank 1 lays the file out unlike rank 0" in r["mismatch_error"]
     assert not os.path.exists(os.path.join(disk_dir, "other.pt"))
     assert no_temp_files(disk_dir)
+
+
+@pytest.mark.parametrize("shape", [(6,), (5, 7), (4, 3, 5), (2, 1, 3, 4), (3, 0, 2)])
+def test_shard_segments_tile_the_local_shard_in_the_full_bytes(shape):
+    from fp_core.sharded_file import shard_segments
+
+    g = torch.Generator().manual_seed(len(shape))
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.int32).reshape(shape)
+    full_bytes = full.reshape(-1).view(torch.uint8)
+    for trial in range(40):
+        idx = []
+        for d, n in enumerate(shape):
+            kind = (trial + d) % 4  # each dimension whole, a range or any subset
+            if kind == 0 or n == 0:  # whole
+                idx.append(range(n))
+            elif kind == 1:  # a box: one range
+                a = int(torch.randint(0, n, (1,), generator=g))
+                idx.append(range(a, int(torch.randint(a, n + 1, (1,), generator=g))))
+            else:  # strided: any increasing subset
+                idx.append(sorted(torch.randperm(n, generator=g)[:int(torch.randint(0, n + 1, (1,), generator=g))]
+                                  .tolist()))
+        local = full
+        for d, i in enumerate(idx):
+            local = local.index_select(d, torch.tensor(list(i), dtype=torch.long))
+        local_bytes = local.contiguous().reshape(-1).view(torch.uint8)
+        segs = shard_segments(shape, idx, full.element_size())
+        assert sum(n for _, _, n in segs) == local_bytes.numel()
+        at = 0
+        for gl, lo, n in segs:  # in local order, each a run of the full tensor's bytes
+            assert lo == at and n > 0
+            assert torch.equal(full_bytes[gl:gl + n], local_bytes[lo:lo + n])
+            at += n
+        starts = sorted(gl for gl, _, _ in segs)
+        assert all(a < b for a, b in zip(starts, starts[1:]))  # no byte of the full tensor twice

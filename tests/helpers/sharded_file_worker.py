@@ -79,7 +79,7 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     result: dict = {"rank": rank}
     path = os.path.join(d, "full.pt")
@@ -100,21 +100,48 @@ def main() -> None:
             if scenario == "fsdp":  # no layout: a DCP directory, as before
                 fp_core.save(state, os.path.join(d, "default"))
                 result["default_is_dir"] = os.path.isfile(os.path.join(d, "default", ".metadata"))
-        elif scenario == "shard1":
+        elif scenario == "shard1":  # tensor parallel's Shard(1) (and Shard(2)): written; Partial: refused
             mesh = init_device_mesh("cpu", (world,))
-            state = sharded_state(mesh, full_state(), [Shard(0)])
-            from torch.distributed.tensor import DTensor, Partial, distribute_tensor
+            full = full_state()
+            full["model"]["narrow"] = torch.arange(12.0).reshape(6, 2, 1)  # Shard(2): empty shards
+            state = sharded_state(mesh, full, [Shard(1)])
+            state["model"]["narrow"] = distribute_tensor(full["model"]["narrow"], mesh, [Shard(2)])
+            state["model"]["rows"] = distribute_tensor(full["model"]["big"][:10].clone(), mesh, [Shard(0)])
+            st = fp_core.save(state, path, layout="file")
+            result.update(rank_bytes=st.extra["rank_bytes"], file_size=st.bytes)
+            fp_core.save(dict(state["model"]), os.path.join(d, "model.safetensors"), layout="file", format="safetensors")
+            from torch.distributed.tensor import DTensor, Partial
+
+            bad = dict(state, model=dict(state["model"], partial=DTensor.from_local(torch.ones(4, 6), mesh,
+                                                                                    [Partial()], run_check=False)))
+            try:
+                fp_core.save(bad, os.path.join(d, "partial.pt"), layout="file")
+            except ValueError as e:
+                result["partial"] = f"{type(e).__name__}: {e}"
+            try:
+                fp_core.save(bad["model"], os.path.join(d, "partial.safetensors"), layout="file",
+                             format="safetensors")
+            except ValueError as e:
+                result["partial_st"] = f"{type(e).__name__}: {e}"
+        elif scenario == "tp2d":  # FSDP x TP on a 2 x 2 mesh: Shard(0) x Shard(1), _StridedShard x Shard(0)
             from torch.distributed.tensor.placement_types import _StridedShard
 
-            from fp_core.sharded_file import check_placements
-
-            for name, p in (("partial", Partial()), ("strided", _StridedShard(0, split_factor=2))):
-                try:
-                    check_placements({"x": {name: DTensor.from_local(torch.ones(4, 6), mesh, [p], run_check=False)}})
-                except ValueError as e:
-                    result[name] = str(e)
-            state["model"]["col"] = distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)])
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            full = full_state()
+            m = full["model"]
+            rowwise, colwise = [Shard(0), Shard(1)], [_StridedShard(0, split_factor=world // 2), Shard(0)]
+            state = sharded_state(mesh, full, rowwise)
+            # every rank holds the full tensor: each takes its shard (uneven strided shards
+            # cannot be scattered from one rank)
+            for k in ("w", "emb", "tiny"):
+                state["model"][k] = distribute_tensor(m[k], mesh, colwise, src_data_rank=None)
+            state["model"]["cube"] = distribute_tensor(torch.arange(7 * 5 * 3.0).reshape(7, 5, 3), mesh,
+                                                       [_StridedShard(1, split_factor=world // 2), Shard(1)],
+                                                       src_data_rank=None)
+            result["placements"] = {k: repr(tuple(v.placements)) for k, v in state["model"].items()
+                                    if hasattr(v, "placements")}
             fp_core.save(state, path, layout="file")
+            fp_core.save(dict(state["model"]), os.path.join(d, "model.safetensors"), layout="file", format="safetensors")
         elif scenario == "fail":
             mesh = init_device_mesh("cpu", (world,))
             fp_core.save(sharded_state(mesh, full_state(0), [Shard(0)]), path, layout="file")
@@ -136,8 +163,6 @@ def main() -> None:
             mesh = init_device_mesh("cpu", (world,))
             g = torch.Generator().manual_seed(0)
             full = {f"layer{i}": torch.randn(4096, 1024, generator=g) for i in range(16)}  # 256 MiB
-            from torch.distributed.tensor import distribute_tensor
-
             state = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full.items()}
             times: dict = {"file": [], "dcp": []}
             for _ in range(3):
