@@ -426,6 +426,42 @@ def _save_full_model(tr: Trainer, ckptr: AsyncCheckpointer, output_dir: str, mod
     return handles
 
 
+def _load_full_state(tr: Trainer, checkpoint: str, model: Any = None, *, optimizer: bool) -> dict:
+    """Fill the FSDP2 model (``optimizer=False``, from ``pytorch_model_fsdp.bin``) or its
+    optimizer (from ``optimizer.bin``) from the full-state file: each rank reads only its own
+    rows into its shards (``fp_core.load_into``); no rank loads the whole file, nothing is
+    broadcast. Returns the ``LoadIntoStats`` of the read. Every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import fp_core
+    from fp_core.sharded_load import LoadIntoStats
+
+    options = StateDictOptions(full_state_dict=False)
+    model = model if model is not None else tr.model
+    stats = LoadIntoStats()
+    if not optimizer:
+        # the sharded state dict's DTensors are views of the parameters' shards: filled in place
+        target = get_model_state_dict(model, options=options)
+        fp_core.load_into(target, os.path.join(checkpoint, FSDP_FULL_MODEL_NAME), stats=stats)
+        set_model_state_dict(model, target, options=options)
+    else:
+        from accelerate.utils.fsdp_utils import _unwrap_optimizer
+
+        opt = _unwrap_optimizer(tr.optimizer)
+        # a fresh optimizer's state, created by torch as for any load; the file's values go
+        # into it, and its param_groups (lr, betas, ...) come from the file
+        target = get_optimizer_state_dict(model, opt, options=options)
+        loaded = fp_core.load_into(target, os.path.join(checkpoint, FSDP_FULL_OPTIMIZER_NAME), stats=stats)
+        set_optimizer_state_dict(model, opt, loaded, options=options)
+    return {"tensor_bytes": stats.tensor_bytes, "tensors": stats.tensors, "whole_file": stats.whole_file}
+
+
 def _find_trainer_on_stack(max_depth: int = 12) -> Trainer | None:
     f = sys._getframe(2)
     for _ in range(max_depth):
@@ -525,6 +561,8 @@ class FastPersistCallback(TrainerCallback):
         self.engine_options = {**engine, **rest}
         self.trainer: Trainer | None = None
         self.records: list[CheckpointRecord] = []
+        # what the last FSDP2 FULL_STATE_DICT resume read on this rank ("model", "optimizer")
+        self.load_stats: dict[str, dict] = {}
         self.fallback_reason: str | None = None
         self._ckptr: AsyncCheckpointer | None = None
         self._group_ready = False  # fp_core's coordination group exists on every rank
@@ -554,6 +592,7 @@ class FastPersistCallback(TrainerCallback):
             return self
         trainer._save_checkpoint = self._save_checkpoint  # instance attribute shadows the method
         trainer._load_from_checkpoint = self._load_from_checkpoint
+        trainer._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler
         if getattr(trainer, "is_fsdp_enabled", False) and _fsdp_full(trainer):
             trainer.save_model = self._save_model  # stock gathers the full state to rank 0
         self._installed_on = trainer
@@ -565,8 +604,37 @@ class FastPersistCallback(TrainerCallback):
         checkpoint at ...", a ValueError user code catches)."""
         if self.verify_on_resume and os.path.isdir(resume_from_checkpoint):
             verify_checkpoint_dir(resume_from_checkpoint)
+        tr = self.trainer
+        if self._full_resume(resume_from_checkpoint, FSDP_FULL_MODEL_NAME, "_load_from_checkpoint"):
+            tr.accelerator.wait_for_everyone()
+            self.load_stats["model"] = _load_full_state(tr, resume_from_checkpoint, model, optimizer=False)
+            tr.accelerator.wait_for_everyone()
+            return None
         # the trainer's own class: a subclass's override of the load is kept
-        return type(self.trainer)._load_from_checkpoint(self.trainer, resume_from_checkpoint, model)
+        return type(tr)._load_from_checkpoint(tr, resume_from_checkpoint, model)
+
+    def _full_resume(self, checkpoint: str | None, name: str, method: str) -> bool:
+        """Resume FSDP2 FULL_STATE_DICT state from ``checkpoint/name`` by rows (not through the
+        Trainer's ``method``, which reads the whole file on rank 0 and broadcasts it)?"""
+        tr = self.trainer
+        return (checkpoint is not None and getattr(tr, "is_fsdp_enabled", False) and _fsdp_full(tr)
+                and getattr(type(tr), method) is getattr(Trainer, method)
+                and os.path.isfile(os.path.join(checkpoint, name)))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's, with the FSDP2 FULL_STATE_DICT optimizer read by rows."""
+        tr = self.trainer
+        if not (self._full_resume(checkpoint, FSDP_FULL_OPTIMIZER_NAME, "_load_optimizer_and_scheduler")
+                and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME))):
+            return type(tr)._load_optimizer_and_scheduler(tr, checkpoint)
+        from transformers.trainer_pt_utils import reissue_pt_warnings
+
+        tr.accelerator.wait_for_everyone()
+        self.load_stats["optimizer"] = _load_full_state(tr, checkpoint, optimizer=True)
+        tr.accelerator.wait_for_everyone()
+        with warnings.catch_warnings(record=True) as caught:
+            tr.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        reissue_pt_warnings(caught)
 
     def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``trainer.save_model()`` under FSDP2 FULL_STATE_DICT: stock's files (safetensors,
@@ -589,7 +657,7 @@ class FastPersistCallback(TrainerCallback):
 
     def _uninstall(self) -> None:
         t = self._installed_on
-        for name in ("_save_checkpoint", "_load_from_checkpoint", "save_model"):
+        for name in ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "save_model"):
             if t is not None and t.__dict__.get(name) == getattr(self, name):
                 del t.__dict__[name]
         self._installed_on = None

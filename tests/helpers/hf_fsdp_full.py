@@ -6,12 +6,13 @@ TrainingArguments made it, as in hf_fsdp2.py (FSDP2 itself runs on the CPU over 
 
 PHASES, comma-separated, each a fresh Trainer on a tiny GPT-2 built from a config, 4 steps,
 a checkpoint every 2 steps, each writing DIR/<phase>.json (rank 0): its losses, the files of
-its run directory, the callback's records, the DTensor gathers its saves made:
+its run directory, the callback's records and load stats (rank 0's), the DTensor gathers its saves made:
 
 - ``stock``: the stock Trainer, DIR/stock, then ``save_model(DIR/stock/final)``;
 - ``fp``: with FastPersistCallback, DIR/fp, then ``save_model(DIR/fp/final)``;
 - ``fp_resume`` / ``stock_resume``: resume from DIR/fp/checkpoint-2 with / without the callback;
 - ``stock_resume_stock``: the stock Trainer resumed from DIR/stock/checkpoint-2 (the baseline);
+- ``fp_resume_stock``: the callback resumed from DIR/stock/checkpoint-2 (stock's files);
 - ``fail``: with the callback (``on_error="warn"``), the last rank's write of the step-4
   checkpoint's optimizer.bin fails halfway (after its model files are written).
 
@@ -118,8 +119,9 @@ def main() -> None:
     count_gathers()
     for phase in phases:
         out = os.path.join(d, phase + tag)
-        resume = {"fp_resume": "fp", "stock_resume": "fp", "stock_resume_stock": "stock"}.get(phase)
-        callback = phase in ("fp", "fp_resume", "fail")
+        resume = {"fp_resume": "fp", "stock_resume": "fp", "stock_resume_stock": "stock",
+                  "fp_resume_stock": "stock"}.get(phase)
+        callback = phase in ("fp", "fp_resume", "fp_resume_stock", "fail")
         if phase == "fail" and rank == world - 1:
             inject_failure(rank)
         tr, cb = trainer(out, callback, on_error="warn" if phase == "fail" else "raise")
@@ -132,7 +134,7 @@ def main() -> None:
             tr.save_model(os.path.join(out, "final"))
         res = {"losses": [h["loss"] for h in tr.state.log_history if "loss" in h],
                "saves": [[r.step, r.ok, r.error] for r in cb.records] if cb else None,
-               "gathers": GATHERS["count"]}
+               "gathers": GATHERS["count"], "load_stats": cb.load_stats if cb else None}
         dist.barrier()
         if rank == 0:
             res["listing"] = listing(out)

@@ -37,8 +37,8 @@ def _torchrun(d: str, world: int, phases: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("hf_fsdp_full"))
-    _torchrun(d, 2, "stock,fp,fp_resume,stock_resume,stock_resume_stock,fail")
-    _torchrun(d, 1, "fp_resume,stock_resume,stock_resume_stock")
+    _torchrun(d, 2, "stock,fp,fp_resume,stock_resume,stock_resume_stock,fp_resume_stock,fail")
+    _torchrun(d, 1, "fp_resume,stock_resume,stock_resume_stock,fp_resume_stock")
     return d
 
 
@@ -60,8 +60,14 @@ def _assert_same_tensors(a: dict, b: dict, what: str) -> None:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{what}: {k}"
 
 
+def _groups(groups: list) -> list:
+    # the stock resume (accelerate's load_fsdp_optimizer) turns Adam's ``betas`` tuple into a
+    # list; an uninterrupted run, and a resume through the callback, keep the tuple
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in groups]
+
+
 def _assert_same_optimizer(a: dict, b: dict, what: str) -> None:
-    assert a["param_groups"] == b["param_groups"], what
+    assert _groups(a["param_groups"]) == _groups(b["param_groups"]), what
     assert list(a["state"]) == list(b["state"]), what
     for k in a["state"]:
         _assert_same_tensors(a["state"][k], b["state"][k], f"{what}: {k}")
@@ -126,21 +132,46 @@ def test_from_pretrained_on_one_process_reads_the_stock_gathers_model(runs, sub)
         assert torch.equal(ours(x).logits, stock(x).logits)
 
 
+def _state_bytes(obj: object) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
 @pytest.mark.parametrize("world", [2, 1])
 def test_resume_on_2_and_1_processes_continues_as_stock_resume(runs, world):
-    """Resuming from our checkpoint-2 through the callback (which verifies it first) and
-    through the stock Trainer continues bit-equal to the stock Trainer resumed from stock's
-    checkpoint-2: the same losses and the same checkpoint-4 (weights and optimizer)."""
+    """Resuming from our checkpoint-2 through the callback (which verifies it, then reads
+    each rank's rows) and through the stock Trainer, and through the callback from stock's
+    checkpoint-2, continues bit-equal to the stock Trainer resumed from stock's checkpoint-2:
+    the same losses and the same checkpoint-4 (weights and optimizer)."""
     tag = "" if world == 2 else f".w{world}"
     base = _res(runs, "stock_resume_stock" + tag)
-    for phase in ("fp_resume", "stock_resume"):
+    for phase in ("fp_resume", "stock_resume", "fp_resume_stock"):
         got = _res(runs, phase + tag)
         assert got["losses"] == base["losses"] and len(got["losses"]) == 4, phase
         ours = os.path.join(runs, phase + tag, "checkpoint-4")
         _assert_checkpoint_equal(ours, os.path.join(runs, "stock_resume_stock" + tag, "checkpoint-4"))
     if world == 2:  # on 2 processes, resuming repeats the uninterrupted run
         assert base["losses"] == _res(runs, "stock")["losses"]
-    assert _res(runs, "fp_resume" + tag)["saves"] == [[4, True, None]]
+    # the callback filled the model and optimizer from the files by rows: rank 0 read its
+    # share of them (on 1 process: all of it), never the whole file through torch's loader
+    ckpt = os.path.join(runs, "stock", "checkpoint-2")
+    full = {"model": _state_bytes(_load(os.path.join(ckpt, "pytorch_model_fsdp.bin"))),
+            "optimizer": _state_bytes(_load(os.path.join(ckpt, "optimizer.bin")))}
+    for phase in ("fp_resume", "fp_resume_stock"):
+        got = _res(runs, phase + tag)
+        assert got["saves"] == ([[4, True, None]]), phase
+        for what, n in full.items():
+            st = got["load_stats"][what]
+            assert not st["whole_file"], (phase, what)
+            if world == 1:
+                assert st["tensor_bytes"] == n, (phase, what)
+            else:  # half the rows, and the step counters every rank holds
+                assert n // 3 < st["tensor_bytes"] < 2 * n // 3, (phase, what, st, n)
 
 
 def test_a_rank_failing_mid_save_leaves_the_previous_checkpoint_intact(runs):
