@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from . import file_image, loader, plain_unpickle, read_depth
+from . import file_image, loader, plain_unpickle, read_depth, safetensors_file, sharded_load_safetensors
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 from .gc_pause import gc_paused
 from .integrity import (
@@ -422,7 +422,7 @@ def _under_archive(cf: CheckpointFile, entries: list[Any], offsets: list[int]) -
             for a, _, name in [i.filename.partition("/")] if a == archive}
 
 
-def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
+def load_into(target: Any, path: str | os.PathLike, *, verify: bool | str = False,
               weights_only: bool | None = True, stats: LoadIntoStats | None = None) -> Any:
     """Resume from the checkpoint at ``path`` into ``target``, reading every tensor's bytes
     straight into memory that is already there; returns the saved object.
@@ -464,16 +464,30 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False,
     fails on a damaged file raises :class:`CorruptCheckpointError` naming the damage where
     the structure shows it.
 
-    DTensors (placed ``Shard(0)`` and ``Replicate()``, on any mesh: as many ranks as saved,
+    DTensors (placed ``Shard(d)`` and ``Replicate()``, on any mesh: as many ranks as saved,
     fewer or more, FSDP2 or HSDP) are filled from a file of the full state (``layout="file"``
     or ``torch.save`` of a full state dict), called by every rank of their meshes: each
-    rank reads only its local shard's rows, straight into it (:mod:`fp_core.sharded_load`);
-    other placements are refused naming the tensor, before a byte is read. With ``verify``
+    rank reads only its local shard's rows (or, sharded on a later dimension, the segments
+    of the saved rows its block holds), straight into it (:mod:`fp_core.sharded_load`);
+    other placements (``_StridedShard``) are refused naming the tensor, before a byte is
+    read. Every rank of their meshes takes part in one exchange per load, so a rank whose
+    load fails (before or during its reads) makes every other raise too. With ``verify``
     each rank checks what it reads, and each storage's checksum is put together from the
     ranks' pieces over the mesh (a collective: every rank of the mesh must call it).
 
+    ``verify="auto"`` checks a file that carries FastPersist's checksums and loads one
+    without them (written by another tool) unchecked, where ``verify=True`` refuses it
+    (:class:`NotAFastPersistCheckpoint`).
+
+    A safetensors file (a ``model.safetensors``, FastPersist's or ``save_file``'s) fills
+    the targets in the same way, its tensors named by their keys: each read straight in,
+    a DTensor's local shard only its own rows or block; checked against the CRC-32C
+    FastPersist writes into its header (:mod:`fp_core.sharded_load_safetensors`).
+
     ``stats``: a :class:`~fp_core.sharded_load.LoadIntoStats` to be filled with the bytes read.
     """
+    if verify not in (True, False, "auto"):
+        raise ValueError(f"verify must be True, False or 'auto', not {verify!r}")
     m = _Matcher(target)
     if stats is not None:
         m.stats = stats
@@ -532,12 +546,22 @@ def _mutable_map(x: Any) -> bool:
     return type(x) is dict or isinstance(x, MutableMapping)
 
 
-def _load_into(target: _Matcher, path: str | os.PathLike, verify: bool, weights_only: bool | None) -> Any:
+def _load_into(target: _Matcher, path: str | os.PathLike, verify: bool | str, weights_only: bool | None) -> Any:
     """:func:`load_into` once its target is unwrapped: the fill, no ``load_state_dict``."""
     if not file_image.applies(None):
         # no offsets from torch's headers here: load it whole (checked there) and copy
         return _load_and_copy(target, path, verify, weights_only)
     with CheckpointFile(path) as cf:
+        if safetensors_file.looks_like(cf):  # a model.safetensors: its header says where each tensor lies
+            saved, records, sizes = sharded_load_safetensors.structure(cf, verify)
+            result = target.run(saved)
+            _read_fills(cf, records, target.fills, sizes, target)
+            return result
+        if verify == "auto":  # checked where the file has a manifest, as loader.load does
+            try:
+                read_manifest(cf, check_tail=False, check_records=False)
+            except NotAFastPersistCheckpoint:
+                verify = False
         if not verify:
             with damage_named(cf):  # a load that fails on a damaged file says so
                 return _fill(cf, None, target, path, weights_only, _unchecked_layout(cf))

@@ -137,14 +137,21 @@ def fenced(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, to
     """(target, the tensor it is a view into): ``PAD`` rows of sentinel before and after."""
     rows = shape[0] if shape else 1
     inner = tuple(shape[1:])
-    big = torch.full((rows + 2 * PAD, *inner), SENTINEL, dtype=dtype)
+    big = torch.full((rows + 2 * PAD, *inner), _sentinel(dtype), dtype=dtype)
     view = big[PAD:PAD + rows]
     return (view if shape else view.reshape(())), big
 
 
+def _sentinel(dtype: torch.dtype) -> float | int | bool:
+    if dtype == torch.bool:
+        return True
+    return SENTINEL if dtype.is_floating_point or dtype.is_complex else 77  # 77 fits every integer dtype
+
+
 def fence_intact(big: torch.Tensor, rows: int) -> bool:
     """Whether the sentinel rows around a fenced target of ``rows`` rows hold the sentinel."""
-    return bool((big[:PAD] == SENTINEL).all()) and bool((big[PAD + rows:] == SENTINEL).all())
+    s = _sentinel(big.dtype)
+    return bool((big[:PAD] == s).all()) and bool((big[PAD + rows:] == s).all())
 
 
 def outcome(fn: Any, *args: Any, **kwargs: Any) -> str:

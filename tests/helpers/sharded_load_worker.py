@@ -6,7 +6,8 @@ each rank reports to DIR/result<RANK>.json, rank 0 to DIR/result.json as well.
 Scenarios: ``roundtrip`` (FSDP: save with layout="file", then load it back), ``fsdp`` and
 ``hsdp`` (load each FILE of DIR: ``*.pt`` written by FastPersist with verify=True, ``plain*``
 written by torch.save without; ``strided.pt``: a transposed tensor), ``layouts`` (load each FILE on each mesh and
-placements of :func:`layouts`: HSDP, tensor parallel), ``refuse`` (a global shape that differs, a _StridedShard target,
+placements of :func:`layouts`: HSDP, tensor parallel), ``safetensors`` (the same, from
+safetensors files: :func:`safetensors_loads`), ``refuse`` (a global shape that differs, a _StridedShard target,
 and the damaged file FILE with verify=True), ``module`` (an FSDP2 model and a fresh Adam
 resumed from FILE, saved by the test process from ``trained()``).
 """
@@ -152,9 +153,48 @@ def layouts(world: int) -> dict[str, tuple[Any, list]]:
     return {"fsdp": (mesh, [Shard(0)]), "tp": (mesh, [Shard(1)])}
 
 
-def refused(fn: Any) -> str:
+def flat_model() -> dict[str, torch.Tensor]:
+    """The model's tensors of :func:`full_state`, flat: what a ``model.safetensors`` holds."""
+    return dict(full_state()["model"])
+
+
+def safetensors_loads(d: str, world: int, files: list[str]) -> dict:
+    """Each FILE (a safetensors of :func:`flat_model`: ``ours*`` written by FastPersist,
+    loaded with verify=True; ``plain*`` by ``save_file``, loaded with verify="auto") on each
+    mesh and placements of :func:`layouts`: what came in, what was read. ``bad*``: loaded
+    with verify=True, its outcome only."""
+    from sharded_file_worker import REPLICATED
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    full = flat_model()
+    out: dict = {}
+    for name, (mesh, placements) in layouts(world).items():
+        rep = [Replicate()] * mesh.ndim
+        at = {k: rep if k in REPLICATED else placements for k in full}
+
+        for f in files:
+            path = os.path.join(d, f)
+            target = {k: v if k == "buf" else distribute_tensor(torch.zeros_like(v), mesh, at[k])
+                      for k, v in full.items()}
+            if f.startswith("bad"):
+                out[f"{name}/{f}"] = {"outcome": refused(fp_core.load_into, target, path, verify=True)}
+                continue
+            expected = {k: v if k == "buf" else distribute_tensor(v, mesh, at[k]) for k, v in full.items()}
+            ptrs = {k: local(v).data_ptr() for k, v in target.items()}
+            stats = LoadIntoStats()
+            fp_core.load_into(target, path, verify=True if f.startswith("ours") else "auto", stats=stats)
+            out[f"{name}/{f}"] = {
+                "differ": [k for k in full if not torch.equal(local(expected[k]), local(target[k]))],
+                "in_place": all(local(v).data_ptr() == ptrs[k] for k, v in target.items()),
+                "tensor_bytes": stats.tensor_bytes, "check_bytes": stats.check_bytes,
+                "local_bytes": sum(local(v).nbytes for v in target.values()),
+                "refused": refused(fp_core.load_into, target, path, verify=True)}
+    return out
+
+
+def refused(fn: Any, *args: Any, **kwargs: Any) -> str:
     try:
-        fn()
+        fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - reported to the test
         return f"{type(e).__name__}: {e}"
     return ""
@@ -188,6 +228,8 @@ def main() -> None:
         elif scenario == "layouts":
             result["loads"] = {f"{name}/{f}": load_and_check(m, pl, os.path.join(d, f), not f.startswith("plain"))
                                for name, (m, pl) in layouts(world).items() for f in files}
+        elif scenario == "safetensors":
+            result["loads"] = safetensors_loads(d, world, files)
         elif scenario == "module":
             result["module"] = module_resume(os.path.join(d, files[0]))
         elif scenario == "refuse":
