@@ -97,7 +97,9 @@ have written; tied weights are dropped as ``save_pretrained`` drops them for the
 itself (stock's gather on several ranks unties them, so its file also holds
 ``lm_head.weight``; ``from_pretrained`` ties it again either way). ``trainer.save_model()``
 is taken over the same way. ``from_pretrained`` on one process and the stock resume on any
-world size read these files.
+world size read these files; a resume through the callback fills the model and the
+optimizer from ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` with ``fp_core.load_into``,
+each rank reading only its own rows (stock reads each whole file on rank 0 and broadcasts).
 
 FSDP1, other FSDP state dict types, PEFT under FSDP, DeepSpeed (its own checkpoint
 engine), XLA/TPU, SageMaker MP, models sharded at load time, ``push_to_hub`` and Trainer
@@ -270,7 +272,7 @@ def _fsdp_fallback_reason(trainer: Any) -> str | None:
         return f"FSDP with {plugin.state_dict_type} (FastPersist saves SHARDED_STATE_DICT and FULL_STATE_DICT)"
     if hasattr(getattr(trainer, "model", None), "peft_config"):  # how accelerate tells a PEFT model
         return "a PEFT model under FSDP (accelerate saves only its adapter)"
-    if _fsdp_full(trainer) and getattr(type(trainer), "save_model", None) is not getattr(Trainer, "save_model", None):
+    if _fsdp_full(trainer) and isinstance(trainer, Trainer) and type(trainer).save_model is not Trainer.save_model:
         # FastPersist writes save_model's files itself under FULL_STATE_DICT
         return f"{type(trainer).__name__} overrides save_model"
     return None

@@ -79,3 +79,25 @@ def test_what_fsdp_setups_keep_the_stock_save(version, sd_type, peft, reason):
     trainer = SimpleNamespace(accelerator=SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin)), model=model)
     got = _fsdp_fallback_reason(trainer)
     assert (got is None) if reason is None else (reason in got), got
+
+
+@pytest.mark.parametrize("sd_type,overrides,reason", [
+    ("StateDictType.FULL_STATE_DICT", False, None),
+    ("StateDictType.FULL_STATE_DICT", True, "overrides save_model"),
+    ("StateDictType.SHARDED_STATE_DICT", True, None)])  # save_model is not ours there
+def test_a_trainer_overriding_save_model_keeps_the_stock_full_state_dict_save(sd_type, overrides, reason):
+    """Under FULL_STATE_DICT the callback writes save_model's files itself: a subclass's own
+    save_model would be skipped, so such a trainer keeps the stock save."""
+    from types import SimpleNamespace
+
+    from transformers import Trainer
+
+    from fp_integrations.hf import _fsdp_fallback_reason
+
+    cls = type("MyTrainer", (Trainer,), {"save_model": lambda self, *a, **k: None} if overrides else {})
+    trainer = cls.__new__(cls)  # no __init__: only its class and plugin are looked at
+    plugin = SimpleNamespace(fsdp_version=2, state_dict_type=sd_type)
+    trainer.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=plugin))
+    trainer.model = SimpleNamespace()
+    got = _fsdp_fallback_reason(trainer)
+    assert (got is None) if reason is None else (reason in got), got
