@@ -14,10 +14,10 @@ import zipfile
 
 import pytest
 import torch
-from conftest import HELPERS, run_ranks
+from conftest import HELPERS, flip_byte, run_ranks
 
 import fp_core
-from fp_core.errors import CorruptCheckpointError
+from fp_core.errors import CorruptCheckpointError, NotAFastPersistCheckpoint
 
 sys.path.insert(0, HELPERS)
 from sharded_load_hostile import (  # noqa: E402
@@ -173,3 +173,24 @@ def test_a_rank_that_fails_before_its_reads_makes_every_rank_raise(disk_dir):
             assert mine["outcome"].startswith("CorruptCheckpointError"), mine
             assert "damaged_pickle.pt" in mine["outcome"], mine
     assert r0["after"]["outcome"] == "" and r1["after"]["outcome"] == "", (r0["after"], r1["after"])
+
+
+def test_verify_auto_checks_a_file_with_a_manifest_and_loads_one_without(tmp_path):
+    """verify="auto" (as fp_core.load takes it): a torch.save file loads unchecked (True
+    refuses it); a FastPersist file is checked, a damaged byte in a tensor found."""
+    plain, ours = str(tmp_path / "plain.pt"), str(tmp_path / "ours.pt")
+    torch.save({"w": record()}, plain)
+    fp_core.save({"w": record()}, ours)
+    for path in (plain, ours):
+        t = torch.zeros(64, 8)
+        fp_core.load_into({"w": t}, path, verify="auto")
+        assert torch.equal(t, record())
+    with pytest.raises(NotAFastPersistCheckpoint):
+        fp_core.load_into({"w": torch.zeros(64, 8)}, plain, verify=True)
+    w = next(r for r in fp_core.inspect(ours) if r.get("tensor") == "w")
+    flip_byte(ours, w["offset"] + 5)
+    with pytest.raises(CorruptCheckpointError, match="tensor w"):
+        fp_core.load_into({"w": torch.zeros(64, 8)}, ours, verify="auto")
+    fp_core.load_into({"w": torch.zeros(64, 8)}, ours, verify=False)  # unchecked: the bytes as they are
+    with pytest.raises(ValueError, match="verify must be"):
+        fp_core.load_into({"w": torch.zeros(64, 8)}, ours, verify="yes")
