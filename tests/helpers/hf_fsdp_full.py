@@ -14,7 +14,8 @@ its run directory, the callback's records and load stats (rank 0's), the DTensor
 - ``stock_resume_stock``: the stock Trainer resumed from DIR/stock/checkpoint-2 (the baseline);
 - ``fp_resume_stock``: the callback resumed from DIR/stock/checkpoint-2 (stock's files);
 - ``fail``: with the callback (``on_error="warn"``), the last rank's write of the step-4
-  checkpoint's optimizer.bin fails halfway (after its model files are written).
+  checkpoint's optimizer.bin fails (after its model files are written);
+- ``fail_model``: the same, rank 0's write of the step-4 checkpoint's model.safetensors.
 
 The world size goes into each phase's file name (``fp_resume.w1.json``) and run directory.
 """
@@ -56,15 +57,15 @@ def trainer(out: str, callback: bool, on_error: str = "raise") -> tuple[object, 
     return tr, cb
 
 
-def inject_failure(rank: int) -> None:
-    """The write of the step-4 checkpoint's optimizer.bin fails on this rank halfway in:
-    the ranks' model files of that checkpoint are written by then."""
+def inject_failure(rank: int, name: str) -> None:
+    """This rank's write of the step-4 checkpoint's file ``name`` fails (its first file,
+    model.safetensors, or its last, optimizer.bin, once the others are written)."""
     from fp_core.sharded_file import ShardedFileSave
 
     real = ShardedFileSave._write_share
 
     def failing(self, *a, **k):
-        if ".fastpersist-staging-4" in self.final and self.final.endswith("optimizer.bin"):
+        if ".fastpersist-staging-4" in self.final and self.final.endswith(name):
             raise OSError(f"injected write failure on rank {rank}")
         return real(self, *a, **k)
 
@@ -121,10 +122,12 @@ def main() -> None:
         out = os.path.join(d, phase + tag)
         resume = {"fp_resume": "fp", "stock_resume": "fp", "stock_resume_stock": "stock",
                   "fp_resume_stock": "stock"}.get(phase)
-        callback = phase in ("fp", "fp_resume", "fp_resume_stock", "fail")
+        callback = phase in ("fp", "fp_resume", "fp_resume_stock", "fail", "fail_model")
         if phase == "fail" and rank == world - 1:
-            inject_failure(rank)
-        tr, cb = trainer(out, callback, on_error="warn" if phase == "fail" else "raise")
+            inject_failure(rank, "optimizer.bin")
+        if phase == "fail_model" and rank == 0:
+            inject_failure(rank, "model.safetensors")
+        tr, cb = trainer(out, callback, on_error="warn" if phase.startswith("fail") else "raise")
         if cb is not None:
             assert cb.fallback_reason is None, cb.fallback_reason
         watch_saves(tr)

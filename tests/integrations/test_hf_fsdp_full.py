@@ -37,7 +37,7 @@ def _torchrun(d: str, world: int, phases: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("hf_fsdp_full"))
-    _torchrun(d, 2, "stock,fp,fp_resume,stock_resume,stock_resume_stock,fp_resume_stock,fail")
+    _torchrun(d, 2, "stock,fp,fp_resume,stock_resume,stock_resume_stock,fp_resume_stock,fail,fail_model")
     _torchrun(d, 1, "fp_resume,stock_resume,stock_resume_stock,fp_resume_stock")
     return d
 
@@ -174,17 +174,20 @@ def test_resume_on_2_and_1_processes_continues_as_stock_resume(runs, world):
                 assert n // 3 < st["tensor_bytes"] < 2 * n // 3, (phase, what, st, n)
 
 
-def test_a_rank_failing_mid_save_leaves_the_previous_checkpoint_intact(runs):
+@pytest.mark.parametrize("phase,rank,name", [("fail", 1, "optimizer.bin"), ("fail_model", 0, "model.safetensors")])
+def test_a_rank_failing_mid_save_leaves_the_previous_checkpoint_intact(runs, phase, rank, name):
+    """One rank's write of the step-4 checkpoint fails (its last file, after the model
+    files are written; or its first): no checkpoint-4 appears, on any rank."""
     from fp_integrations.hf import verify_checkpoint_dir
 
-    res = _res(runs, "fail")
+    res = _res(runs, phase)
     (step2, ok2, err2), (step4, ok4, err4) = res["saves"]
     assert (step2, ok2, err2) == (2, True, None)
-    assert (step4, ok4) == (4, False) and "injected write failure on rank 1" in err4 and "optimizer.bin" in err4
+    assert (step4, ok4) == (4, False) and f"injected write failure on rank {rank}" in err4 and name in err4
     # no checkpoint-4, no staging directory left, checkpoint-2 whole and equal to the run's
     # that did not fail
     assert res["listing"][""] == ["checkpoint-2"]
-    ckpt2 = os.path.join(runs, "fail", "checkpoint-2")
+    ckpt2 = os.path.join(runs, phase, "checkpoint-2")
     assert verify_checkpoint_dir(ckpt2) >= 3
     _assert_checkpoint_equal(ckpt2, os.path.join(runs, "stock", "checkpoint-2"))
     assert res["losses"] == _res(runs, "stock")["losses"]  # training went on (on_error="warn")
