@@ -111,3 +111,23 @@ def test_dtensor_targets_on_three_ranks(disk_dir):
             damaged = r["loads"][f"{name}/bad.safetensors"]["outcome"]
             assert damaged.startswith("CorruptCheckpointError") and "big" in damaged, (r["rank"], name, damaged)
     assert len({r["loads"]["tp/ours.safetensors"]["tensor_bytes"] for r in results}) > 1  # uneven blocks
+
+
+def test_written_by_two_ranks_loaded_on_three(disk_dir):
+    """A model.safetensors written with layout="file" from tensor-parallel shards on 2
+    ranks (FastPersist's CRCs in its header), loaded on 3 ranks as FSDP and as tensor
+    parallel, verified: each rank its own rows or block, checked from the ranks' pieces."""
+    run_ranks("sharded_load_worker.py", disk_dir, "save_safetensors", "ours_ranks.safetensors", world=2,
+              timeout=240)
+    full = flat_model()
+    loaded = fp_core.load(os.path.join(disk_dir, "ours_ranks.safetensors"), verify=True)
+    assert all(torch.equal(loaded[k], v) for k, v in full.items())
+    run_ranks("sharded_load_worker.py", disk_dir, "safetensors", "ours_ranks.safetensors", world=3, timeout=300)
+    for r in range(3):
+        with open(os.path.join(disk_dir, f"result{r}.json")) as f:
+            res = json.load(f)
+        assert res["ok"], res
+        for name in ("fsdp", "tp"):
+            got = res["loads"][f"{name}/ours_ranks.safetensors"]
+            assert got["differ"] == [] and got["in_place"] and got["refused"] == "", (r, name, got)
+            assert got["tensor_bytes"] == got["local_bytes"] and got["check_bytes"] == 0, (r, name, got)

@@ -7,7 +7,8 @@ Scenarios: ``roundtrip`` (FSDP: save with layout="file", then load it back), ``f
 ``hsdp`` (load each FILE of DIR: ``*.pt`` written by FastPersist with verify=True, ``plain*``
 written by torch.save without; ``strided.pt``: a transposed tensor), ``layouts`` (load each FILE on each mesh and
 placements of :func:`layouts`: HSDP, tensor parallel), ``safetensors`` (the same, from
-safetensors files: :func:`safetensors_loads`), ``refuse`` (a global shape that differs, a _StridedShard target,
+safetensors files: :func:`safetensors_loads`), ``save_safetensors`` (FILE written with
+layout="file", format="safetensors" from Shard(1) shards), ``refuse`` (a global shape that differs, a _StridedShard target,
 and the damaged file FILE with verify=True), ``module`` (an FSDP2 model and a fresh Adam
 resumed from FILE, saved by the test process from ``trained()``).
 """
@@ -228,6 +229,14 @@ def main() -> None:
         elif scenario == "layouts":
             result["loads"] = {f"{name}/{f}": load_and_check(m, pl, os.path.join(d, f), not f.startswith("plain"))
                                for name, (m, pl) in layouts(world).items() for f in files}
+        elif scenario == "save_safetensors":  # FILE written with layout="file" from tensor-parallel shards
+            from sharded_file_worker import REPLICATED
+
+            mesh, tp = layouts(world)["tp"]
+            rep = [Replicate()]
+            flat = {k: v if k == "buf" else distribute_tensor(v, mesh, rep if k in REPLICATED else tp)
+                    for k, v in flat_model().items()}
+            fp_core.save(flat, os.path.join(d, files[0]), layout="file", format="safetensors")
         elif scenario == "safetensors":
             result["loads"] = safetensors_loads(d, world, files)
         elif scenario == "module":
