@@ -1,8 +1,12 @@
-"""Lightning's FSDPStrategy(state_dict_type="sharded") on one GPU with FastPersist (FSDP1:
-ShardedTensor state, saved by DCP with FastPersistWriter): fit 4 steps with ModelCheckpoint
+"""Lightning's FSDPStrategy on one GPU with FastPersist: fit 4 steps with ModelCheckpoint
 (every 2 steps, save_last), then a Trainer with max_steps=4 restores "last" and stops.
 
-Usage: python lightning_fsdp_gpu.py DIR   (writes DIR/result.json)
+Usage: python lightning_fsdp_gpu.py DIR [SCENARIO]   (writes DIR/result.json). SCENARIO:
+
+* ``callback`` (default): ``state_dict_type="sharded"`` (FSDP1: ShardedTensor state, saved
+  by DCP with FastPersistWriter), FastPersistIO with FastPersistCallback;
+* ``alone-sharded``: the same with FastPersistIO alone (no callback): the plugin routes it;
+* ``alone-full``: ``state_dict_type="full"`` with FastPersistIO alone: one .ckpt file.
 """
 
 from __future__ import annotations
@@ -40,12 +44,14 @@ class Net(LightningModule):
         return DataLoader(TensorDataset(torch.randn(64, 64, generator=g), torch.randn(64, 8, generator=g)), batch_size=8)
 
 
-def trainer(d: str, steps: int) -> tuple[Trainer, FastPersistIO]:
+def trainer(d: str, steps: int, scenario: str) -> tuple[Trainer, FastPersistIO]:
     plugin = FastPersistIO()
     mc = ModelCheckpoint(dirpath=os.path.join(d, "ckpts"), every_n_train_steps=2, save_top_k=-1, save_last=True)
+    kind = "full" if scenario == "alone-full" else "sharded"
     t = Trainer(accelerator="gpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-                strategy=FSDPStrategy(state_dict_type="sharded", auto_wrap_policy={torch.nn.Linear}),
-                plugins=[plugin], callbacks=[FastPersistCallback(), mc], enable_model_summary=False)
+                strategy=FSDPStrategy(state_dict_type=kind, auto_wrap_policy={torch.nn.Linear}),
+                plugins=[plugin], callbacks=[*([FastPersistCallback()] if scenario == "callback" else []), mc],
+                enable_model_summary=False)
     return t, plugin
 
 
@@ -55,18 +61,28 @@ def weights(m: Net) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     d = sys.argv[1]
-    t1, plugin = trainer(d, 4)
+    scenario = sys.argv[2] if len(sys.argv) > 2 else "callback"
+    t1, plugin = trainer(d, 4, scenario)
     m1 = Net()
     t1.fit(m1)
     saved = weights(m1)
-    t2, _ = trainer(d, 4)
+    t2, _ = trainer(d, 4, scenario)
     m2 = Net()
     t2.fit(m2, ckpt_path="last")
     ckpts = os.path.join(d, "ckpts")
+    last = os.path.join(ckpts, "last.ckpt")
+    full = torch.load(last, weights_only=True) if os.path.isfile(last) else None
     with open(os.path.join(d, "result.json"), "w") as f:
         json.dump({"listing": sorted(os.listdir(ckpts)),
-                   "files": sorted(os.listdir(os.path.join(ckpts, "last.ckpt"))),
-                   "verified": {n: fp_core.verify(os.path.join(ckpts, n))["files"] for n in sorted(os.listdir(ckpts))},
+                   "files": sorted(os.listdir(last)) if full is None else [],
+                   "routed": getattr(t1.strategy, "_fastpersist_sharded", None) is plugin,
+                   # a full checkpoint: stock's keys, loadable by plain torch.load
+                   "full_keys": sorted(full) if full is not None else None,
+                   "full_equal": None if full is None else all(
+                       k in full["state_dict"] and torch.equal(full["state_dict"][k].float().cpu(), v) for k, v in saved.items()),
+                   # a directory: the files checked; a file: 1
+                   "verified": {n: fp_core.verify(os.path.join(ckpts, n)).get("files", 1)
+                                for n in sorted(os.listdir(ckpts))},
                    "stats": len(plugin.stats),
                    "restored_equal": all(torch.equal(saved[k], v) for k, v in weights(m2).items())}, f)
 
