@@ -396,7 +396,8 @@ class AsyncCheckpointer:
              metadata: dict[str, str] | None = None,
              on_commit: Callable[[str, SaveStats], None] | None = None,
              storage_options: dict | None = None, keep_local: bool = False,
-             local: bool = False, extra_files: dict[str, bytes] | None = None) -> SaveHandle:
+             local: bool = False, extra_files: dict[str, bytes] | None = None,
+             layout: str | None = None) -> SaveHandle:
         """Start saving ``obj`` to ``path``; return at once with a handle.
 
         With a ``group``, every save is collective unless ``local=True`` (this rank alone,
@@ -413,7 +414,10 @@ class AsyncCheckpointer:
         Sharded state (``DTensor`` s: FSDP2, tensor parallel) is saved into the directory
         ``path`` by every rank through ``torch.distributed.checkpoint`` (every rank calls
         ``save`` in the same order; ``extra_files`` go into it), with the same policies and
-        fence: see :mod:`fp_core.dcp_save`.
+        fence: see :mod:`fp_core.dcp_save`. ``layout="file"``: ``path`` is instead one file of
+        the full state (``format="torch"`` or ``"safetensors"``) that every rank writes its
+        own shards into (:mod:`fp_core.sharded_file`); a snapshot writes its copies, an
+        overlap save's fence waits until this rank's share is written.
         """
         t0 = time.perf_counter()
         self._check_open()
@@ -429,7 +433,7 @@ class AsyncCheckpointer:
                                group=None if local else self.group, topology=self.topology,
                                timeout_s=self.timeout_s, congruent=not snapshot_next,
                                storage_options=storage_options,
-                               keep_local=keep_local, extra_files=extra_files)
+                               keep_local=keep_local, extra_files=extra_files, layout=layout)
         # An earlier failure is raised before a save of this rank alone is queued; a
         # collective save (the other ranks will wait for this one in it) is queued first,
         # then it is raised (``AsyncCheckpointError.handle`` is the queued save).

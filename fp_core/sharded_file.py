@@ -87,6 +87,14 @@ class _Held:
     source: torch.Tensor
     holders: tuple[int, ...]
     index: int
+    # This piece's extent in the job's plan: the async pipeline may give it a snapshot
+    # copy (``host``), which is then what is written, not the live ``source``.
+    extent: StorageExtent | None = None
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The bytes to write: the extent's snapshot copy when there is one, else the source."""
+        return self.extent.data if self.extent is not None else self.source
 
 
 def _walk_dtensors(obj: Any, kind: type) -> list[tuple[str, Any]]:
@@ -292,7 +300,10 @@ class ShardedFileSave(CollectiveSave):
         for s in full.storages:
             h.update(f"{self._names[s.record]} {s.offset} {s.length};".encode())
         self.layout_hash = h.hexdigest()
-        extents = [StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start) for x in self.held]
+        extents = []
+        for x in self.held:
+            x.extent = StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start)
+            extents.append(x.extent)
         return FilePlan(file_size=full.file_size, alignment=full.alignment, skeleton=full.skeleton,
                         storages=sorted(extents, key=lambda e: e.offset), manifest=full.manifest,
                         manifest_header_offset=full.manifest_header_offset, manifest_offset=full.manifest_offset,
@@ -386,8 +397,7 @@ class ShardedFileSave(CollectiveSave):
     # -- the collective save's steps --------------------------------------------------
 
     def _table(self) -> Any:
-        samples = {(self._names[x.record], x.start): _sample_crc(
-            StorageExtent(x.offset, x.length, x.source, x.record)) for x in self.held if len(x.holders) > 1}
+        samples = {(self._names[x.record], x.start): _sample_crc(x.extent) for x in self.held if len(x.holders) > 1}
         return self.layout_hash, samples
 
     def _agree(self, statuses: list[Any], rank: int, world: int) -> list[int]:
@@ -396,15 +406,17 @@ class ShardedFileSave(CollectiveSave):
                 raise CollectiveSaveError(
                     f"sharded save of {self.final}: rank {r} lays the file out unlike rank 0 (its keys, global "
                     "shapes, dtypes, placements or non-tensor values differ); every rank must save the same state")
+        # The plan's storages are rebuilt as this rank's share; each piece's bytes come from
+        # its extent's snapshot copy when the pipeline took one (the state as of save()).
         owned: list[StorageExtent] = []
         shared: dict[tuple[int, ...], list[_Held]] = {}
         for x in self.held:
             key = (self._names[x.record], x.start)
             if len(x.holders) == 1:
-                owned.append(StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start))
+                owned.append(StorageExtent(x.offset, x.length, x.data, x.record, record_start=x.start))
             elif len({statuses[h][2][1].get(key) for h in x.holders}) > 1:
                 if x.index == 0:  # holders disagree: the first one's bytes, whole
-                    owned.append(StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start))
+                    owned.append(StorageExtent(x.offset, x.length, x.data, x.record, record_start=x.start))
                     self.stats.extra["differing_storages"] = self.stats.extra.get("differing_storages", 0) + 1
             else:
                 shared.setdefault(x.holders, []).append(x)
@@ -416,7 +428,7 @@ class ShardedFileSave(CollectiveSave):
             for off, n in mine:
                 x = xs[bisect.bisect_right(starts, off) - 1]
                 rel = off - x.offset
-                owned.append(StorageExtent(off, n, x.source[rel:rel + n], x.record, record_start=x.start + rel))
+                owned.append(StorageExtent(off, n, x.data[rel:rel + n], x.record, record_start=x.start + rel))
         owned.sort(key=lambda e: e.offset)
         self.plan.storages = owned
         self._runs, self._partial = self._blocks(owned, rank)
