@@ -1012,6 +1012,8 @@ class FastPersistCallback(TrainerCallback):
         for h in handles:  # FIFO worker: all of them have finished by now
             if h.exception() is not None:
                 ok = False  # the core reports that error itself, at the next fence / wait
+                if rec.error is None:  # the record says why
+                    rec.error = f"{type(h.exception()).__name__}: {h.exception()}"
             else:
                 nbytes += getattr(h.result(), "bytes", 0) or 0
         err: BaseException | None = None
