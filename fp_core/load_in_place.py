@@ -57,6 +57,7 @@ from .sharded_load import (
     combined_crc,
     exchange,
     is_dtensor,
+    is_strided,
     local_rows,
     mesh_key,
     target_meshes,
@@ -272,6 +273,8 @@ class _Matcher:
         """A DTensor target (its global shape and dtype already matched): only the block
         of its local shard is read, into the local shard: its rows, one byte range, where
         only dimension 0 is sharded; else the segments of the saved rows the block holds."""
+        if is_strided(target):
+            return self._strided(saved, target, key)
         rows = local_rows(target, key)
         if isinstance(saved, torch.Tensor):  # loaded whole (no offsets): its block copied
             src = saved[tuple(slice(o, o + n) for o, n in zip(rows.offsets, rows.shape))] if saved.ndim else saved
@@ -294,6 +297,37 @@ class _Matcher:
             return target
         for i, (elem, into, seg) in enumerate(segments):
             self.fills.append(_Fill(key, into, saved.offset + elem * es, seg.numel() * es, record, seg, rows,
+                                    counts=i == 0))
+        return target
+
+    def _strided(self, saved: SavedTensor | torch.Tensor, target: torch.Tensor, key: str) -> torch.Tensor:
+        """A DTensor placed ``_StridedShard`` (FSDP2 over tensor parallel): its local shard
+        is the full tensor at the indices DTensor's own split gives each dimension, read as
+        the runs of consecutive indices they make, each straight into its place."""
+        from .sharded_file import global_indices, shard_segments
+
+        rows = local_rows(target, key, strided=True)
+        idx = global_indices(target)
+        if isinstance(saved, torch.Tensor):  # loaded whole: its indices copied
+            src = saved
+            for d, ix in enumerate(idx):
+                src = src.index_select(d, torch.as_tensor(list(ix), dtype=torch.long))
+            self.fills.append(_Fill(key, rows.local, -1, 0, (-1, 0), src, rows))
+            return target
+        local = rows.local
+        if not (saved.is_contiguous() and local.device.type == "cpu" and local.is_contiguous()):
+            raise ValueError(f"load_into: {key or 'the tensor'} is a DTensor placed {tuple(target.placements)}: "
+                             "its interleaved rows are read only from a row-major saved tensor into a row-major "
+                             "local shard in host memory")
+        es = saved.element_size
+        tiles = saved.storage_offset == 0 and saved.numel() * es == saved.storage_nbytes
+        self.sharded.append((rows.mesh, saved.offset, saved.storage_nbytes, tiles))
+        record = (saved.offset, saved.storage_nbytes)
+        flat = local.reshape(-1).view(torch.uint8)  # the local shard's bytes, where each run goes
+        start = saved.storage_offset * es
+        for i, (g, at, n) in enumerate(shard_segments(tuple(saved.shape), idx, es)):
+            seg = SavedTensor(saved.offset, saved.storage_nbytes, torch.uint8, start + g, (n,), (1,))
+            self.fills.append(_Fill(key, flat[at:at + n], saved.offset + start + g, n, record, seg, rows,
                                     counts=i == 0))
         return target
 

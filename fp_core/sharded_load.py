@@ -67,24 +67,37 @@ def is_dtensor(x: Any) -> bool:
     return kind is not None and isinstance(x, kind)
 
 
-def local_rows(dt: Any, key: str) -> LocalRows:
+def is_strided(dt: Any) -> bool:
+    """``dt`` is placed ``_StridedShard`` on some mesh dimension (FSDP2 over tensor
+    parallel): its local shard is the full tensor at interleaved indices, no block."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return any(isinstance(p, _StridedShard) for p in dt.placements)
+
+
+def local_rows(dt: Any, key: str, strided: bool = False) -> LocalRows:
     """Where ``dt``'s local shard lies in its full tensor: a block, its first index in every
     dimension and its shape (``Shard(d)`` on any dimension, on any mesh dimension, and
     ``Replicate()``); ``ValueError`` naming ``key`` and the placement for any other
-    placement (``_StridedShard``, ``Partial``: their shards are no block of the saved tensor)."""
+    placement (``Partial``: its values are no part of the saved tensor; ``_StridedShard``
+    unless ``strided``: its shard is no block, and ``offsets`` are then left at 0)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
     for p in dt.placements:
-        ok = isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, _StridedShard) and dt.ndim > 0)
+        ok = isinstance(p, Replicate) or (dt.ndim > 0 and (strided if isinstance(p, _StridedShard)
+                                                           else isinstance(p, Shard)))
         if not ok:
             raise ValueError(f"load_into: {key or 'the tensor'} is a DTensor placed {p!r} (placements "
                              f"{tuple(dt.placements)}): only Shard(d) and Replicate() are read from one file")
     mesh = dt.device_mesh
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
     with torch.no_grad():  # the local shard itself, not an autograd view of it
         local = dt.to_local()
+    if strided and is_strided(dt):  # its indices, not a box: fp_core.sharded_file.global_indices
+        shape, offset = tuple(local.shape), (0,) * dt.ndim
+    else:
+        shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
     if tuple(local.shape) != tuple(shape):
         raise ValueError(f"load_into: {key or 'the tensor'}: the DTensor's local shard is {tuple(local.shape)}, "
                          f"its placements {tuple(dt.placements)} on its mesh say {tuple(shape)}")
@@ -204,5 +217,5 @@ def combined_crc(start: int, size: int, pieces: list[tuple[int, int, int]]) -> i
     return crc
 
 
-__all__ = ["LoadIntoStats", "LocalRows", "combined_crc", "exchange", "is_dtensor", "local_rows", "mesh_key",
+__all__ = ["LoadIntoStats", "LocalRows", "combined_crc", "exchange", "is_dtensor", "is_strided", "local_rows", "mesh_key",
            "target_meshes"]

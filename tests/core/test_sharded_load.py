@@ -101,9 +101,9 @@ def test_refused_before_reading_and_damage_found_by_every_rank(disk_dir):
     for r in results:
         assert r["shape"].startswith("ValueError") and "model.w" in r["shape"] and "(38, 64)" in r["shape"], r
         assert r["shape_bytes_read"] == 0
-        refusal = r["strided_shard"]
-        assert refusal.startswith("ValueError") and "model.w" in refusal and "_StridedShard" in refusal, r
-        assert r["strided_shard_bytes_read"] == 0
+        refusal = r["partial"]
+        assert refusal.startswith("ValueError") and "model.w" in refusal and "Partial" in refusal, r
+        assert r["partial_bytes_read"] == 0
         assert r["unverified"] == ""
     # the damaged byte is in rank 1's rows; rank 0 learns it from the combined checksum
     assert "CorruptCheckpointError" in results[0]["damaged"] and "model.big" in results[0]["damaged"], results

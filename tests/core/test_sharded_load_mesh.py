@@ -38,3 +38,18 @@ def test_one_file_of_one_process_on_three_ranks_tensor_parallel(disk_dir):
     write_files(disk_dir)
     results = ranks("layouts", disk_dir, 3, "fp.pt")
     assert_loaded(results, "tp/fp.pt")
+
+
+def test_strided_shard_targets_read_their_interleaved_rows(disk_dir):
+    """_StridedShard (FSDP2 over tensor parallel: each rank's rows interleaved with the
+    others'): each rank reads the runs of its rows straight into its shard, verified from
+    the ranks' pieces, on 2 and on 3 ranks (uneven)."""
+    write_files(disk_dir)
+    for world in (2, 3):
+        results = ranks("strided_shard", disk_dir, world, "fp.pt", "plain.pt")
+        for f in ("fp.pt", "plain.pt"):
+            for r in results:
+                got = r["loads"][f]
+                assert got["differ"] == [] and got["in_place"], (world, r["rank"], f, got)
+                assert got["tensor_bytes"] == got["shard_bytes"] + got["replicated_bytes"], (world, r["rank"], f)
+                assert got["check_bytes"] == 0, (world, r["rank"], f, got)

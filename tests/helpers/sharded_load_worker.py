@@ -8,7 +8,7 @@ Scenarios: ``roundtrip`` (FSDP: save with layout="file", then load it back), ``f
 written by torch.save without; ``strided.pt``: a transposed tensor), ``layouts`` (load each FILE on each mesh and
 placements of :func:`layouts`: HSDP, tensor parallel), ``safetensors`` (the same, from
 safetensors files: :func:`safetensors_loads`), ``save_safetensors`` (FILE written with
-layout="file", format="safetensors" from Shard(1) shards), ``refuse`` (a global shape that differs, a _StridedShard target,
+layout="file", format="safetensors" from Shard(1) shards), ``refuse`` (a global shape that differs, a Partial() target,
 and the damaged file FILE with verify=True), ``module`` (an FSDP2 model and a fresh Adam
 resumed from FILE, saved by the test process from ``trained()``).
 """
@@ -25,7 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from rank_report import reported  # noqa: E402
-from sharded_file_worker import full_state, local_bytes, sharded_state  # noqa: E402
+from sharded_file_worker import REPLICATED, full_state, local_bytes, sharded_state  # noqa: E402
 
 import fp_core  # noqa: E402
 from fp_core.sharded_load import LoadIntoStats  # noqa: E402
@@ -50,10 +50,10 @@ def local(t: Any) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def load_and_check(mesh: Any, placements: list, path: str, verify: bool) -> dict:
-    """load_into a fresh target on ``mesh``; what came in, what was read."""
-    expected = sharded_state(mesh, full_state(), placements)
-    target = sharded_state(mesh, zeroed(full_state()), placements)
+def load_and_check(mesh: Any, placements: list, path: str, verify: bool, build: Any = sharded_state) -> dict:
+    """load_into a fresh target on ``mesh`` (its state made by ``build``); what came in, what was read."""
+    expected = build(mesh, full_state(), placements)
+    target = build(mesh, zeroed(full_state()), placements)
     ptrs = {k: local(v).data_ptr() for k, v in tensors(target)}
     stats = LoadIntoStats()
     result = fp_core.load_into(target, path, verify=verify, stats=stats)
@@ -164,7 +164,6 @@ def safetensors_loads(d: str, world: int, files: list[str]) -> dict:
     loaded with verify=True; ``plain*`` by ``save_file``, loaded with verify="auto") on each
     mesh and placements of :func:`layouts`: what came in, what was read. ``bad*``: loaded
     with verify=True, its outcome only."""
-    from sharded_file_worker import REPLICATED
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     full = flat_model()
@@ -190,6 +189,35 @@ def safetensors_loads(d: str, world: int, files: list[str]) -> dict:
                 "tensor_bytes": stats.tensor_bytes, "check_bytes": stats.check_bytes,
                 "local_bytes": sum(local(v).nbytes for v in target.values()),
                 "refused": refused(fp_core.load_into, target, path, verify=True)}
+    return out
+
+
+def strided_shard_loads(path: str) -> dict:
+    """The full state's sharded tensors placed ``_StridedShard(0, split_factor=2)`` on all
+    ranks (rows interleaved, as FSDP2 over tensor parallel shards them), loaded from
+    ``path`` verified (unverified for ``plain*``): what came in, what was read."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def each_splits_its_own(mesh: Any, full: dict, shard: list) -> dict:
+        # every rank holds the full state: each takes its shard of its own copy (DTensor's
+        # scatter pads uneven strided chunks to one shape and refuses them)
+        rep = [Replicate()]
+        m = full["model"]
+        model = {k: distribute_tensor(v, mesh, rep if k in REPLICATED else shard, src_data_rank=None)
+                 for k, v in m.items() if k != "buf"}
+        model["buf"] = m["buf"]
+        exp_avg = distribute_tensor(full["optim"]["state"]["w"]["exp_avg"], mesh, shard, src_data_rank=None)
+        return {"model": model,
+                "optim": {"state": {"w": {"step": full["optim"]["state"]["w"]["step"], "exp_avg": exp_avg}},
+                          "param_groups": full["optim"]["param_groups"]},
+                "epoch": full["epoch"]}
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    placements = [_StridedShard(0, split_factor=2)]
+    out = load_and_check(mesh, placements, path, not os.path.basename(path).startswith("plain"), each_splits_its_own)
+    out["placements"] = repr(tuple(placements))
     return out
 
 
@@ -230,8 +258,6 @@ def main() -> None:
             result["loads"] = {f"{name}/{f}": load_and_check(m, pl, os.path.join(d, f), not f.startswith("plain"))
                                for name, (m, pl) in layouts(world).items() for f in files}
         elif scenario == "save_safetensors":  # FILE written with layout="file" from tensor-parallel shards
-            from sharded_file_worker import REPLICATED
-
             mesh, tp = layouts(world)["tp"]
             rep = [Replicate()]
             flat = {k: v if k == "buf" else distribute_tensor(v, mesh, rep if k in REPLICATED else tp)
@@ -239,6 +265,8 @@ def main() -> None:
             fp_core.save(flat, os.path.join(d, files[0]), layout="file", format="safetensors")
         elif scenario == "safetensors":
             result["loads"] = safetensors_loads(d, world, files)
+        elif scenario == "strided_shard":
+            result["loads"] = {f: strided_shard_loads(os.path.join(d, f)) for f in files}
         elif scenario == "module":
             result["module"] = module_resume(os.path.join(d, files[0]))
         elif scenario == "refuse":
@@ -248,16 +276,15 @@ def main() -> None:
             stats = LoadIntoStats()
             result["shape"] = refused(lambda: fp_core.load_into(wrong, path, stats=stats))
             result["shape_bytes_read"] = stats.bytes_read
-            from torch.distributed.tensor import DTensor
-            from torch.distributed.tensor.placement_types import _StridedShard
+            from torch.distributed.tensor import DTensor, Partial
 
-            strided = sharded_state(mesh, zeroed(full_state()), placements)
-            # rows interleaved among the ranks (FSDP over TP's shards): no block of the saved tensor
-            strided["model"]["w"] = DTensor.from_local(torch.zeros(19, 64), mesh, [_StridedShard(0, split_factor=2)],
-                                                       run_check=False, shape=torch.Size((37, 64)), stride=(64, 1))
+            partial = sharded_state(mesh, zeroed(full_state()), placements)
+            # partial sums: no part of the saved tensor
+            partial["model"]["w"] = DTensor.from_local(torch.zeros(37, 64), mesh, [Partial()], run_check=False,
+                                                       shape=torch.Size((37, 64)), stride=(64, 1))
             stats = LoadIntoStats()
-            result["strided_shard"] = refused(lambda: fp_core.load_into(strided, path, stats=stats))
-            result["strided_shard_bytes_read"] = stats.bytes_read
+            result["partial"] = refused(lambda: fp_core.load_into(partial, path, stats=stats))
+            result["partial_bytes_read"] = stats.bytes_read
             bad = os.path.join(d, files[0])
             result["damaged"] = refused(lambda: fp_core.load_into(
                 sharded_state(mesh, zeroed(full_state()), placements), bad, verify=True))
