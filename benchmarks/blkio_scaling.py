@@ -206,7 +206,8 @@ def launch(args: argparse.Namespace) -> int:
                 out = f.name
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(w), "--master-port",
                    str(port), os.path.abspath(__file__), "--worker", "--dir", args.dir, "--size-mib",
-                   str(args.size_mib), "--rounds", str(args.rounds), "--groups", ",".join(g.paths), "--dev", dev, "--out", out]
+                   str(args.size_mib), "--rounds", str(args.rounds), "--groups", ",".join(g.paths), "--dev", dev, "--out", out,
+                   "--engine-options", args.engine_options]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if not args.verbose else None,
                            stderr=None if args.verbose else subprocess.DEVNULL)
             with open(out) as f:
@@ -217,6 +218,7 @@ def launch(args: argparse.Namespace) -> int:
         results.append(res)
         print(f"  W={w}: done ({res['backend']})", flush=True)
     table = ["", f"B = {args.bps_mib:.0f} MiB/s per rank, state {args.size_mib} MiB (Shard(0) DTensors on W ranks), "
+             f"engine options {args.engine_options}, "
              f"{args.rounds} rounds, rows alternated, medians; MiB/s = file bytes / (barrier to barrier)",
              f"  {'W':>2} {'W*B':>6} {'file':>7} {'/W*B':>6} {'gather':>7} {'/B':>5} {'raw':>7} {'/W*B':>6}   "
              f"per round file MiB/s"]
@@ -239,6 +241,15 @@ def launch(args: argparse.Namespace) -> int:
     for res in results:
         table.append(f"    W={res['world']}: " + ", ".join(f"{k} {statistics.median(v):.3f}"
                                                          for k, v in res["throttled"].items()))
+    table.append("  file row, each rank's own stats (medians over rounds; s): save call, of it write, sync, "
+                 "layout; MiB it wrote")
+    for res in results:
+        per = []
+        for r, rounds in enumerate(res["file_parts"]):
+            med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
+            per.append(f"r{r} {med['seconds']:.2f}/{med['write']:.2f}/{med['sync']:.2f}/{med['serialize']:.2f}/"
+                       f"{med['rank_mib']:.0f}")
+        table.append(f"    W={res['world']}: " + "  ".join(per))
     table += ["", METHOD]
     print("\n".join(table), flush=True)
     return 0
@@ -274,13 +285,20 @@ def worker(args: argparse.Namespace) -> None:
              "raw": os.path.join(d, f"raw{rank}.bin")}
     raw_bytes = (sum(t.nbytes for t in full.values()) // world) // 4096 * 4096
     backends: set[str] = set()
+    engine_options = json.loads(args.engine_options)
+
+    # the file row's own accounting on each rank: where a round's time goes besides the write
+    file_parts: list[dict[str, float]] = []
 
     def file_row() -> None:
-        fp_core.save(state, files["file"], layout="file")
+        st = fp_core.save(state, files["file"], layout="file", **engine_options)
+        file_parts.append({"seconds": st.seconds, "write": st.write_seconds, "sync": st.sync_seconds,
+                           "serialize": st.serialize_seconds,
+                           "rank_mib": st.extra.get("rank_bytes", 0) / MiB})
 
     def gather_row() -> None:
         if rank == 0:
-            st = fp_core.save(full_state, files["gather"])
+            st = fp_core.save(full_state, files["gather"], **engine_options)
             backends.add(str(getattr(st, "backend", "?")))
 
     def raw_row() -> None:
@@ -321,11 +339,13 @@ def worker(args: argparse.Namespace) -> None:
                 _unlink(files[k])
     all_backends: list[Any] = [None] * world
     dist.all_gather_object(all_backends, sorted(backends))
+    all_parts: list[Any] = [None] * world
+    dist.all_gather_object(all_parts, file_parts)
     if rank == 0:
         for p in ("warm.pt", "warm0.pt"):
             _unlink(os.path.join(d, p))
         with open(args.out, "w") as f:
-            json.dump({"world": world, "mibps": mibps, "sizes": sizes, "throttled": throttled,
+            json.dump({"world": world, "mibps": mibps, "sizes": sizes, "throttled": throttled, "file_parts": all_parts,
                        "backend": "/".join(sorted({b for bs in all_backends for b in bs}))}, f)
     dist.destroy_process_group()
 
@@ -338,6 +358,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     ap.add_argument("--disk-mib", type=int, default=1024, help="bytes for the disk's own rate")
+    ap.add_argument("--engine-options", default="{}",
+                    help='JSON of fp_core.save engine options for the file and gather rows, e.g. {"queue_depth": 4}')
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--groups", help=argparse.SUPPRESS)
