@@ -17,8 +17,10 @@ read together, up to 2 MiB per request, many in flight, O_DIRECT straight in whe
 target is aligned like the file. No fresh memory is touched: the target's pages are
 already there. A target that cannot be filled in place (on a device, not contiguous, a
 view of part of a saved storage) is filled from a host copy of its record. A DTensor target
-(``Shard(0)``/``Replicate()``, any mesh) is filled in its local shard from its rows of the
-saved full tensor only (:mod:`fp_core.sharded_load`).
+(``Shard(d)``, ``_StridedShard``, ``Replicate()``, any mesh) is filled in its local shard
+from its rows, block or interleaved rows of the saved full tensor only
+(:mod:`fp_core.sharded_load`). A safetensors file is read the same way, its header
+describing each tensor (:mod:`fp_core.sharded_load_safetensors`).
 """
 
 from __future__ import annotations
