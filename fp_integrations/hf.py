@@ -862,8 +862,8 @@ class FastPersistCallback(TrainerCallback):
                 # from its own rows: no gather. Collective, in the same order on every rank.
                 model_sd, optim_sd = _fsdp_state(tr)
                 handles.extend(_save_full_model(tr, ckptr, staging, model_sd))
-                handles.append(_save_file_layout(ckptr, model_sd, os.path.join(staging, FSDP_FULL_MODEL_NAME)))
-                if optim_sd is not None:
+                if not args.save_only_model:  # stock writes these with the optimizer and scheduler
+                    handles.append(_save_file_layout(ckptr, model_sd, os.path.join(staging, FSDP_FULL_MODEL_NAME)))
                     handles.append(_save_file_layout(ckptr, optim_sd, os.path.join(staging, FSDP_FULL_OPTIMIZER_NAME)))
                 del model_sd, optim_sd
             elif fsdp:

@@ -13,6 +13,7 @@ its run directory, the callback's records and load stats (rank 0's), the DTensor
 - ``fp_resume`` / ``stock_resume``: resume from DIR/fp/checkpoint-2 with / without the callback;
 - ``stock_resume_stock``: the stock Trainer resumed from DIR/stock/checkpoint-2 (the baseline);
 - ``fp_resume_stock``: the callback resumed from DIR/stock/checkpoint-2 (stock's files);
+- ``stock_only_model`` / ``fp_only_model``: as ``stock`` / ``fp`` with ``save_only_model=True``;
 - ``fail``: with the callback (``on_error="warn"``), the last rank's write of the step-4
   checkpoint's optimizer.bin fails (after its model files are written);
 - ``fail_model``: the same, rank 0's write of the step-4 checkpoint's model.safetensors.
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from hf_fsdp2 import DS  # noqa: E402
 
 
-def trainer(out: str, callback: bool, on_error: str = "raise") -> tuple[object, object]:
+def trainer(out: str, callback: bool, on_error: str = "raise", only_model: bool = False) -> tuple[object, object]:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -46,7 +47,7 @@ def trainer(out: str, callback: bool, on_error: str = "raise") -> tuple[object, 
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1,
         use_cpu=True, fsdp=True, report_to=[], save_strategy="steps", dataloader_num_workers=0,
-        disable_tqdm=True, fsdp_config={"fsdp_version": 2, "state_dict_type": "FULL_STATE_DICT",
+        disable_tqdm=True, save_only_model=only_model, fsdp_config={"fsdp_version": 2, "state_dict_type": "FULL_STATE_DICT",
                                         "transformer_layer_cls_to_wrap": ["GPT2Block"],
                                         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
     _ = args.device  # accelerate's state now exists (MULTI_CPU, gloo) ...
@@ -57,7 +58,7 @@ def trainer(out: str, callback: bool, on_error: str = "raise") -> tuple[object, 
     return tr, cb
 
 
-def inject_failure(rank: int, name: str) -> None:
+def inject_failure(rank: int, name: str) -> object:
     """This rank's write of the step-4 checkpoint's file ``name`` fails (its first file,
     model.safetensors, or its last, optimizer.bin, once the others are written)."""
     from fp_core.sharded_file import ShardedFileSave
@@ -70,6 +71,7 @@ def inject_failure(rank: int, name: str) -> None:
         return real(self, *a, **k)
 
     ShardedFileSave._write_share = failing
+    return lambda: setattr(ShardedFileSave, "_write_share", real)  # undoes it
 
 
 GATHERS = {"inside_save": 0, "count": 0}
@@ -122,12 +124,14 @@ def main() -> None:
         out = os.path.join(d, phase + tag)
         resume = {"fp_resume": "fp", "stock_resume": "fp", "stock_resume_stock": "stock",
                   "fp_resume_stock": "stock"}.get(phase)
-        callback = phase in ("fp", "fp_resume", "fp_resume_stock", "fail", "fail_model")
+        callback = phase in ("fp", "fp_resume", "fp_resume_stock", "fail", "fail_model", "fp_only_model")
+        undo = None
         if phase == "fail" and rank == world - 1:
-            inject_failure(rank, "optimizer.bin")
+            undo = inject_failure(rank, "optimizer.bin")
         if phase == "fail_model" and rank == 0:
-            inject_failure(rank, "model.safetensors")
-        tr, cb = trainer(out, callback, on_error="warn" if phase.startswith("fail") else "raise")
+            undo = inject_failure(rank, "model.safetensors")
+        tr, cb = trainer(out, callback, on_error="warn" if phase.startswith("fail") else "raise",
+                         only_model=phase.endswith("only_model"))
         if cb is not None:
             assert cb.fallback_reason is None, cb.fallback_reason
         watch_saves(tr)
@@ -144,6 +148,8 @@ def main() -> None:
             with open(os.path.join(d, f"{phase}{tag}.json"), "w") as f:
                 json.dump(res, f)
         del tr, cb
+        if undo is not None:
+            undo()
     # every process group torn down before exit (see hf_fsdp2.py)
     dist.barrier()
     dist.destroy_process_group()

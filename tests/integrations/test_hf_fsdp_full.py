@@ -37,7 +37,7 @@ def _torchrun(d: str, world: int, phases: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("hf_fsdp_full"))
-    _torchrun(d, 2, "stock,fp,fp_resume,stock_resume,stock_resume_stock,fp_resume_stock,fail,fail_model")
+    _torchrun(d, 2, "stock,fp,fp_resume,stock_resume,stock_resume_stock,fp_resume_stock,fail,fail_model,stock_only_model,fp_only_model")
     _torchrun(d, 1, "fp_resume,stock_resume,stock_resume_stock,fp_resume_stock")
     return d
 
@@ -116,6 +116,17 @@ def test_checkpoints_and_save_model_hold_stocks_files_written_without_a_gather(r
     _assert_checkpoint_equal(os.path.join(runs, "fp", "final"), os.path.join(runs, "stock", "final"))
     # the stock saves gather every DTensor to rank 0; ours gather none
     assert stock["gathers"] > 0 and fp["gathers"] == 0
+
+
+def test_save_only_model_writes_what_stock_writes(runs):
+    """save_only_model: stock writes no optimizer, and no pytorch_model_fsdp.bin (it goes with
+    the optimizer); neither do we."""
+    fp, stock = _res(runs, "fp_only_model"), _res(runs, "stock_only_model")
+    assert fp["saves"] == [[2, True, None], [4, True, None]] and fp["gathers"] == 0
+    for name in ("checkpoint-2", "checkpoint-4"):
+        assert stock["listing"][name] == sorted(ST_FILES + ["trainer_state.json"])
+        assert fp["listing"][name] == sorted([".fastpersist-dir.json"] + stock["listing"][name])
+        _assert_checkpoint_equal(os.path.join(runs, "fp_only_model", name), os.path.join(runs, "stock_only_model", name))
 
 
 @pytest.mark.parametrize("sub", ["checkpoint-2", "checkpoint-4", "final"])
