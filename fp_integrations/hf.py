@@ -310,38 +310,10 @@ def _fsdp_state(trainer: Any, *, optimizer: bool = True) -> tuple[dict, dict | N
     return model_sd, optim_sd
 
 
-@dataclass
-class _DoneSave:
-    """The handle of a save made inline (``result`` / ``exception`` as a SaveHandle's)."""
-
-    path: str
-    stats: Any = None
-    error: BaseException | None = None
-
-    def done(self) -> bool:
-        return True
-
-    def exception(self) -> BaseException | None:
-        return self.error
-
-    def result(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        return self.stats
-
-
 def _save_file_layout(ckptr: AsyncCheckpointer, obj: Any, path: str, **kw: Any) -> Any:
-    """Every rank's part of one file of the full state (``layout="file"``), collective."""
-    import inspect
-
-    if "layout" in inspect.signature(ckptr.save).parameters:
-        return ckptr.save(obj, path, layout="file", **kw)
-    # a core without the asynchronous one-file save: inline, after the queued work (whose
-    # collectives run on the same coordination group)
-    import fp_core
-
-    ckptr.wait()
-    return _DoneSave(path, fp_core.save(obj, path, layout="file", **kw))  # a failure: on every rank
+    """Every rank's part of one file of the full state (``layout="file"``), collective: every
+    rank calls it, in the same order."""
+    return ckptr.save(obj, path, layout="file", **kw)
 
 
 def _stand_ins(model_sd: dict) -> tuple[dict, Any]:
