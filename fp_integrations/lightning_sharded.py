@@ -234,8 +234,9 @@ def _save_file(strategy: Any, plugin: Any, checkpoint: dict[str, Any], filepath:
 def _load_file(strategy: Any, plugin: Any, path: str, weights_only: bool | None) -> dict[str, Any] | None:
     """Fill ``ModelParallelStrategy``'s sharded model and optimizers from the full-state file
     ``path`` (FastPersist's or stock's): each rank reads only its own rows
-    (``fp_core.load_into``). None where the optimizers' parameter order is not the model's
-    (the file's optimizer keys are model-order ids): stock's load handles that case."""
+    (``fp_core.load_into``). None where an optimizer does not hold exactly the model's
+    parameters in the model's order (the file keys optimizer state by the parameter's place
+    in the model, an optimizer by its place in the optimizer): stock's load rekeys that case."""
     import fp_core
     from fp_core.errors import NotAFastPersistCheckpoint
 
@@ -243,8 +244,8 @@ def _load_file(strategy: Any, plugin: Any, path: str, weights_only: bool | None)
     optimizers = list(strategy.optimizers)
     in_model = [id(p) for p in model.parameters()]
     for opt in optimizers:
-        order = [id(p) for g in opt.param_groups for p in g["params"]]
-        if order != [i for i in in_model if i in set(order)]:
+        # the file's ids number the model's parameters, the optimizer's own its parameters
+        if [id(p) for g in opt.param_groups for p in g["params"]] != in_model:
             return None
     import torch
 
@@ -338,7 +339,11 @@ class _Unrouted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         before = self.plugin._save_calls
         out = type(self.strategy).save_checkpoint(self.strategy, *args, **kwargs)
-        if not self.warned and self.plugin._save_calls == before and getattr(self.strategy, "is_global_zero", True):
+        # Behind a wrapping CheckpointIO (AsyncCheckpointIO) the plugin may be called later,
+        # on the wrapper's thread: only a plugin that is the strategy's own IO is judged.
+        direct = self.strategy.__dict__.get("_checkpoint_io") is self.plugin
+        if direct and not self.warned and self.plugin._save_calls == before \
+                and getattr(self.strategy, "is_global_zero", True):
             self.warned = True
             from ._policy import FastPersistWarning
 
