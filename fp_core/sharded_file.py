@@ -45,8 +45,8 @@ reduction.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import hashlib
-import itertools
 import math
 import mmap
 import os
@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -176,11 +177,15 @@ def shard_segments(shape: Sequence[int], idx: list[Sequence[int]], itemsize: int
     strides = [math.prod(shape[j + 1:]) * itemsize for j in range(n)]
     runs = [(g * inner, i * inner, m * inner) for g, i, m in _runs(idx[k])]
     row = len(idx[k]) * inner  # the local bytes of one index of the dimensions before k
-    out = []
-    for o, outer in enumerate(itertools.product(*idx[:k])):
-        base = sum(g * st for g, st in zip(outer, strides))
-        out.extend((base + g, o * row + i, m) for g, i, m in runs)
-    return out
+    # the full offset of each index of the dimensions before k, in local (row-major) order
+    bases = np.zeros(1, dtype=np.int64)
+    for g_idx, st in zip(idx[:k], strides):
+        bases = (bases[:, None] + np.asarray(g_idx, dtype=np.int64)[None, :] * st).reshape(-1)
+    local = np.arange(len(bases), dtype=np.int64) * row
+    full_at = np.stack([bases + g for g, _, _ in runs], axis=1).reshape(-1)
+    local_at = np.stack([local + i for _, i, _ in runs], axis=1).reshape(-1)
+    lengths = np.tile(np.array([m for _, _, m in runs], dtype=np.int64), len(bases))
+    return list(zip(full_at.tolist(), local_at.tolist(), lengths.tolist()))
 
 
 def check_safetensors_state(obj: Any) -> None:
@@ -484,11 +489,36 @@ class ShardedFileSave(CollectiveSave):
         for lo, hi in self._runs:
             pieces += write_range(engine(), plan, lo, hi, self.opts, rs)
         if self._partial:
-            fd = self._buffered(tmp)
-            for lo, hi in self._partial:
-                pieces += self._pwrite(fd, tmp, lo, hi)
+            pieces += self._write_partial(self._buffered(tmp), tmp, self._partial)
         names = self._names
         return [(names[pc.record], pc.start, pc.length, pc.crc) for pc in pieces]
+
+    def _write_partial(self, fd: int, tmp: str, ranges: list[tuple[int, int]]) -> list[PieceCrc]:
+        """Write this rank's bytes of the blocks it shares (``ranges``, sorted) through the
+        page cache. A strided shard has one such range per run (tens of thousands): a range
+        inside one CPU storage is checksummed and written straight from its memory, with
+        no copy and no search; any other (skeleton bytes, a device storage) by :meth:`_pwrite`."""
+        from . import _native
+
+        storages, out, i = self.plan.storages, [], 0
+        for lo, hi in ranges:
+            while i < len(storages) and storages[i].offset + storages[i].length <= lo:
+                i += 1
+            s = storages[i] if i < len(storages) else None
+            if s is None or not (s.offset <= lo and hi <= s.offset + s.length and s.on_cpu):
+                out += self._pwrite(fd, tmp, lo, hi)
+                continue
+            first, n = lo - s.offset, hi - lo
+            addr = s.addr() + first
+            out.append(PieceCrc(s.record, s.record_start + first, n, _native.crc32c_addr(addr, n)))
+            view, pos = memoryview((ctypes.c_char * n).from_address(addr)).cast("B"), 0
+            while pos < n:
+                try:
+                    pos += os.pwrite(fd, view[pos:], lo + pos)
+                except OSError as e:
+                    raise OSError(e.errno, e.strerror, tmp) from e
+            self._buffered_bytes += n
+        return out
 
     def _buffered(self, tmp: str) -> int:
         if self._fd is None:

@@ -173,6 +173,21 @@ def main() -> None:
                     dist.barrier()
                     times[layout].append(time.perf_counter() - t0)
             result.update(times=times)
+        elif scenario == "timing_placement":  # the same state as Shard(0) and as Shard(1), alternated
+            mesh = init_device_mesh("cpu", (world,))
+            g = torch.Generator().manual_seed(0)
+            full = {f"layer{i}": torch.randn(4096, 1024, generator=g) for i in range(16)}  # 256 MiB
+            states = {f"shard{d}": {k: distribute_tensor(v, mesh, [Shard(d)]) for k, v in full.items()}
+                      for d in (0, 1)}
+            times: dict = {k: [] for k in states}
+            for _ in range(int(os.environ.get("FP_TIMING_ROUNDS", "5"))):
+                for name, state in states.items():
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    fp_core.save(state, os.path.join(d, f"t-{name}.pt"), layout="file")
+                    dist.barrier()
+                    times[name].append(time.perf_counter() - t0)
+            result.update(times=times)
         else:
             raise ValueError(scenario)
 
