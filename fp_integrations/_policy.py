@@ -20,7 +20,8 @@ log = logging.getLogger("fastpersist")
 
 
 class FastPersistWarning(UserWarning):
-    """A checkpoint failed and ``on_error="warn"`` let training continue."""
+    """A checkpoint failed and ``on_error="warn"`` let training continue, or a checkpoint was
+    written past FastPersist (a strategy that saves without its ``CheckpointIO``)."""
 
 
 class ErrorPolicy:

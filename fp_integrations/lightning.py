@@ -96,6 +96,14 @@ download. The staging slot is removed when the upload ends, on success and on fa
   nothing exists). :class:`FastPersistModelCheckpoint` returns full URLs, so
   ``ckpt_path="last"`` resumes from the newest remote ``last*.ckpt``.
 
+Sharded strategies (``ModelParallelStrategy``, ``FSDPStrategy``): the plugin alone is enough.
+They save without their ``CheckpointIO``; when Lightning assigns them this plugin they are
+routed through it (:mod:`fp_integrations.lightning_sharded`): sharded directories written by
+every rank in the background, and ``ModelParallelStrategy(save_distributed_checkpoint=False)``'s
+one ``.ckpt`` written by every rank from its own shards, with no gather to rank 0, and resumed
+with each rank reading only its own rows (any number of ranks). A strategy that saves
+without its ``CheckpointIO`` and cannot be routed (DeepSpeed, a custom one) warns once.
+
 Distributed (DDP): Lightning calls ``save_checkpoint``/``remove_checkpoint`` on global
 rank 0 only. With the plugin alone, rank 0 writes every checkpoint. Add the callback —
 ``Trainer(plugins=[FastPersistIO()], callbacks=[FastPersistCallback()])``, the one extra
