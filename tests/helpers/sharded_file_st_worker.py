@@ -36,6 +36,8 @@ def flat_state(gen: int = 0) -> dict[str, torch.Tensor]:
         "norm.scale": torch.randn(7, generator=g),  # Replicate()
         "temp": torch.tensor(0.25 + gen),  # 0-dim, Replicate()
         "pos": torch.arange(100, dtype=torch.int64) * (gen + 1),  # a plain tensor
+        "pos_t": torch.arange(30, dtype=torch.int32).reshape(5, 6).t(),  # a plain non-contiguous view
+        "proj_t": torch.randn(12, 41, generator=g).t(),  # each rank's local shard a non-contiguous view
     }
 
 
@@ -43,10 +45,16 @@ REPLICATED = ("norm.scale", "temp")
 
 
 def sharded(mesh, full: dict[str, torch.Tensor]) -> dict:
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    return {k: v if k == "pos" else distribute_tensor(v, mesh, [Replicate() if k in REPLICATED else Shard(0)])
-            for k, v in full.items()}
+    out = {k: v if k.startswith("pos") else distribute_tensor(v, mesh, [Replicate() if k in REPLICATED else Shard(0)])
+           for k, v in full.items()}
+    v = full["proj_t"]
+    local = out["proj_t"].to_local()
+    out["proj_t"] = DTensor.from_local(local.t().contiguous().t(), mesh, [Shard(0)], run_check=False,
+                                       shape=v.shape, stride=torch.empty(v.shape).stride())
+    assert not out["proj_t"].to_local().is_contiguous() or local.shape[0] <= 1
+    return out
 
 
 def tiny_llama(tied: bool = False):
