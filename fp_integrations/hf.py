@@ -369,6 +369,10 @@ def _record_safetensors_writes(calls: list) -> Iterator[None]:
             st_torch.save_file = orig_st
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
 def _save_full_model(tr: Trainer, ckptr: AsyncCheckpointer, output_dir: str, model_sd: dict) -> list:
     """The Trainer's ``save_model`` under FSDP2 FULL_STATE_DICT, with no gather.
 
@@ -379,16 +383,24 @@ def _save_full_model(tr: Trainer, ckptr: AsyncCheckpointer, output_dir: str, mod
     (``layout="file"``, same names, keys and metadata), in the same order. Returns the
     handles of those saves. Every rank calls it (collective)."""
     calls: list = []
+    error: Exception | None = None
     if tr.args.should_save:
-        stand_ins, holes = _stand_ins(model_sd)
-        with _record_safetensors_writes(calls):
-            tr._save(output_dir, state_dict=stand_ins)
-        del stand_ins, holes
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        try:
+            stand_ins, holes = _stand_ins(model_sd)
+            with _record_safetensors_writes(calls):
+                tr._save(output_dir, state_dict=stand_ins)
+            del stand_ins, holes
+        except Exception as e:  # the other ranks wait for the list below: they hear of it first
+            error = e
+    if _distributed():
         # the training group, on the training thread: the checkpointer's worker uses its own
-        box = [calls]
+        box = [(calls, None if error is None else f"{type(error).__name__}: {error}")]
         torch.distributed.broadcast_object_list(box, src=0)
-        calls = box[0]
+        calls, failure = box[0]
+        if failure is not None and error is None:
+            raise RuntimeError(f"{output_dir}: the saving rank's save_pretrained failed: {failure}")
+    if error is not None:
+        raise error
     handles = []
     for filename, names, metadata in calls:
         missing = [n for n in names if n not in model_sd]

@@ -16,7 +16,8 @@ its run directory, the callback's records and load stats (rank 0's), the DTensor
 - ``stock_only_model`` / ``fp_only_model``: as ``stock`` / ``fp`` with ``save_only_model=True``;
 - ``fail``: with the callback (``on_error="warn"``), the last rank's write of the step-4
   checkpoint's optimizer.bin fails (after its model files are written);
-- ``fail_model``: the same, rank 0's write of the step-4 checkpoint's model.safetensors.
+- ``fail_model``: the same, rank 0's write of the step-4 checkpoint's model.safetensors;
+- ``fail_pretrained``: the same, rank 0's save_pretrained of the step-4 checkpoint raises.
 
 The world size goes into each phase's file name (``fp_resume.w1.json``) and run directory.
 """
@@ -108,6 +109,21 @@ def watch_saves(tr: object) -> None:
         setattr(tr, name, watched)
 
 
+def fail_save_pretrained() -> object:
+    """This rank's save_pretrained of the step-4 checkpoint raises (before any file of it)."""
+    from transformers import PreTrainedModel
+
+    real = PreTrainedModel.save_pretrained
+
+    def failing(self, save_directory, *a, **k):
+        if ".fastpersist-staging-4" in str(save_directory):
+            raise RuntimeError("injected save_pretrained failure")
+        return real(self, save_directory, *a, **k)
+
+    PreTrainedModel.save_pretrained = failing
+    return lambda: setattr(PreTrainedModel, "save_pretrained", real)  # undoes it
+
+
 def listing(d: str) -> dict:
     return {n: sorted(os.listdir(os.path.join(d, n))) for n in sorted(os.listdir(d))
             if os.path.isdir(os.path.join(d, n))} | {"": sorted(os.listdir(d))}
@@ -124,12 +140,14 @@ def main() -> None:
         out = os.path.join(d, phase + tag)
         resume = {"fp_resume": "fp", "stock_resume": "fp", "stock_resume_stock": "stock",
                   "fp_resume_stock": "stock"}.get(phase)
-        callback = phase in ("fp", "fp_resume", "fp_resume_stock", "fail", "fail_model", "fp_only_model")
+        callback = phase in ("fp", "fp_resume", "fp_resume_stock", "fail", "fail_model", "fail_pretrained", "fp_only_model")
         undo = None
         if phase == "fail" and rank == world - 1:
             undo = inject_failure(rank, "optimizer.bin")
         if phase == "fail_model" and rank == 0:
             undo = inject_failure(rank, "model.safetensors")
+        if phase == "fail_pretrained" and rank == 0:
+            undo = fail_save_pretrained()
         tr, cb = trainer(out, callback, on_error="warn" if phase.startswith("fail") else "raise",
                          only_model=phase.endswith("only_model"))
         if cb is not None:
