@@ -69,6 +69,10 @@ from .sharded import dtensor_type, map_containers
 from .skeleton import capture
 from .writer import PieceCrc, RangeStats, combine_piece_crcs, finish_tail, write_range
 
+# A block-aligned run of at least this many bytes that one rank alone writes goes through
+# the native engine (O_DIRECT); a shorter one through the page cache (see _write_share).
+DIRECT_RUN_BYTES = 1 << 20
+
 
 class UnsupportedPlacementError(ValueError):
     """A DTensor whose placement cannot be written into one file by its owners."""
@@ -486,16 +490,26 @@ class ShardedFileSave(CollectiveSave):
                      rs: RangeStats) -> list[tuple[str, int, int, int]]:
         plan = self.plan
         pieces: list[PieceCrc] = []
-        for lo, hi in self._runs:
+        # An O_DIRECT write waits for the device once per call: a short run (a strided
+        # shard's row, thousands of them) costs that wait each, while through the page
+        # cache it is a memory copy, and the one fdatasync at the end writes them together.
+        direct = [(lo, hi) for lo, hi in self._runs if hi - lo >= DIRECT_RUN_BYTES]
+        buffered: list[list[int]] = []
+        for lo, hi in sorted(self._partial + [(lo, hi) for lo, hi in self._runs if hi - lo < DIRECT_RUN_BYTES]):
+            if buffered and buffered[-1][1] == lo:
+                buffered[-1][1] = hi
+            else:
+                buffered.append([lo, hi])
+        for lo, hi in direct:
             pieces += write_range(engine(), plan, lo, hi, self.opts, rs)
-        if self._partial:
-            pieces += self._write_partial(self._buffered(tmp), tmp, self._partial)
+        if buffered:
+            pieces += self._write_partial(self._buffered(tmp), tmp, [(lo, hi) for lo, hi in buffered])
         names = self._names
         return [(names[pc.record], pc.start, pc.length, pc.crc) for pc in pieces]
 
     def _write_partial(self, fd: int, tmp: str, ranges: list[tuple[int, int]]) -> list[PieceCrc]:
-        """Write this rank's bytes of the blocks it shares (``ranges``, sorted) through the
-        page cache. A strided shard has one such range per run (tens of thousands): a range
+        """Write this rank's bytes of the blocks it shares and its short runs (``ranges``,
+        sorted) through the page cache. A strided shard has one such range per run (tens of thousands): a range
         inside one CPU storage is checksummed and written straight from its memory, with
         no copy and no search; any other (skeleton bytes, a device storage) by :meth:`_pwrite`."""
         from . import _native

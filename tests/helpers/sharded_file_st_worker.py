@@ -33,6 +33,7 @@ def flat_state(gen: int = 0) -> dict[str, torch.Tensor]:
         "layers.0.b": torch.randn(37, generator=g).to(torch.bfloat16),
         "layers.0.tiny": torch.randn(1, 5, generator=g),
         "layers.1.w": torch.randn(300, 257, generator=g),
+        "layers.2.big": torch.randn(1024, 1024, generator=g),  # each rank's rows O_DIRECT (where the fault is)
         "norm.scale": torch.randn(7, generator=g),  # Replicate()
         "temp": torch.tensor(0.25 + gen),  # 0-dim, Replicate()
         "pos": torch.arange(100, dtype=torch.int64) * (gen + 1),  # a plain tensor

@@ -176,7 +176,9 @@ def main() -> None:
         elif scenario == "timing_placement":  # the same state as Shard(0) and as Shard(1), alternated
             mesh = init_device_mesh("cpu", (world,))
             g = torch.Generator().manual_seed(0)
-            full = {f"layer{i}": torch.randn(4096, 1024, generator=g) for i in range(16)}  # 256 MiB
+            cols = int(os.environ.get("FP_TIMING_COLS", "1024"))  # wider rows: Shard(1) runs of whole blocks
+            full = {f"layer{i}": torch.randn(4 << 20 >> cols.bit_length() - 1, cols, generator=g)
+                    for i in range(16)}  # 256 MiB
             states = {f"shard{d}": {k: distribute_tensor(v, mesh, [Shard(d)]) for k, v in full.items()}
                       for d in (0, 1)}
             times: dict = {k: [] for k in states}
