@@ -14,6 +14,7 @@ from .errors import (
     NotAFastPersistCheckpoint,
 )
 from .pipeline import AsyncCheckpointer, AsyncCheckpointError, Handle, SaveHandle
+from .sharded_load import LoadIntoStats
 from .stats import SaveStats
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "SaveHandle",
     "load",
     "load_into",
+    "LoadIntoStats",
     "verify",
     "inspect",
     "clean",

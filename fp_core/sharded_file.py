@@ -235,7 +235,7 @@ class _Name:
     name: str
 
 
-class _Placeholders:
+class Placeholders:
     """Plain CPU tensors of given shapes and dtypes that hold no memory: views of one
     read-only anonymous mapping (address space only; nothing ever reads it), each on a
     storage of its own, as the full tensors would be."""
@@ -328,7 +328,7 @@ class ShardedFileSave(CollectiveSave):
             unique.setdefault(id(dt), (path, dt))
         dtensors = list(unique.values())
         sizes = [dt.numel() * dt.element_size() for _, dt in dtensors]
-        holes = _Placeholders(sizes)
+        holes = Placeholders(sizes)
         stand_in: dict[int, torch.Tensor] = {}
         for i, ((_, dt), n) in enumerate(zip(dtensors, sizes)):
             t = holes.tensor(i, dt.shape, dt.dtype, n)
@@ -366,7 +366,7 @@ class ShardedFileSave(CollectiveSave):
         items = list(obj.items())
         is_dt = [kind is not None and isinstance(v, kind) for _, v in items]
         sizes = [v.numel() * v.element_size() if d else 0 for (_, v), d in zip(items, is_dt)]
-        holes = _Placeholders(sizes)
+        holes = Placeholders(sizes)
         flat = {name: holes.tensor(i, v.shape, v.dtype, n) if d else v
                 for i, ((name, v), d, n) in enumerate(zip(items, is_dt, sizes))}
         full = build_safetensors(flat, MIN_ALIGNMENT, self.metadata)
@@ -607,5 +607,5 @@ class ShardedFileSave(CollectiveSave):
         return stats
 
 
-__all__ = ["ShardedFileSave", "UnsupportedPlacementError", "check_placements", "check_safetensors_state",
-           "global_indices", "shard_segments"]
+__all__ = ["Placeholders", "ShardedFileSave", "UnsupportedPlacementError", "check_placements",
+           "check_safetensors_state", "global_indices", "shard_segments"]

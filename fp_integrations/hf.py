@@ -324,7 +324,7 @@ def _stand_ins(model_sd: dict) -> tuple[dict, Any]:
     gather on several ranks gives each name a tensor of its own, and its file keeps the
     tied copy too: ``from_pretrained`` ties it again either way.)"""
     from fp_core.sharded import dtensor_type
-    from fp_core.sharded_file import _Placeholders
+    from fp_core.sharded_file import Placeholders
 
     kind = dtensor_type()
     first: dict[tuple, str] = {}  # local memory -> the first name over it
@@ -336,7 +336,7 @@ def _stand_ins(model_sd: dict) -> tuple[dict, Any]:
             alias[k] = first.setdefault(key, k)
     names = sorted(set(alias.values()), key=list(model_sd).index)
     sizes = [model_sd[k].numel() * model_sd[k].element_size() for k in names]
-    holes = _Placeholders(sizes)
+    holes = Placeholders(sizes)
     stand_in = {k: holes.tensor(i, model_sd[k].shape, model_sd[k].dtype, n)
                 for i, (k, n) in enumerate(zip(names, sizes))}
     out = dict(model_sd)
@@ -426,7 +426,7 @@ def _load_full_state(tr: Trainer, checkpoint: str, model: Any = None, *, optimiz
     )
 
     import fp_core
-    from fp_core.sharded_load import LoadIntoStats
+    from fp_core import LoadIntoStats
 
     options = StateDictOptions(full_state_dict=False)
     model = model if model is not None else tr.model

@@ -19,7 +19,7 @@ FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "transformer
 CORE_PUBLIC = {"fp_core", "fp_core.api", "fp_core.pipeline", "fp_core.remote", "fp_core.commit",
                "fp_core.retention", "fp_core.distributed", "fp_core.paths", "fp_core.errors", "fp_core.stats",
                "fp_core.engine", "fp_core.optim_hooks", "fp_core.job", "fp_core.dcp", "fp_core.sharded",
-               "fp_core.checkpoint_dir"}
+               "fp_core.sharded_file", "fp_core.checkpoint_dir"}
 
 
 def _modules() -> dict[str, str]:
