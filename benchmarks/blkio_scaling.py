@@ -52,9 +52,9 @@ rank's B however many ranks there are. What it does not show: a shared file syst
 costs (locks, metadata servers, striping of one file over servers), network transfer
 between nodes, or the gather's cost on a real interconnect (the gather row's full state
 is gathered before its clock starts, so the row is the best case for gathering). All
-ranks share 2 CPUs and one disk, whose own limit stays far above W * B here, and the
-few blocks where two ranks' rows meet are written through the page cache (written back
-outside the groups, so not throttled)."""
+ranks share the machine's CPUs and one disk, whose own limit is printed above, and the
+few blocks where two ranks' rows meet are written through the page cache (a few KiB per
+file: whether their writeback counts against a group does not show in these figures)."""
 
 
 # --------------------------------------------------------------------------- the disk
