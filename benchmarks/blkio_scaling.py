@@ -208,8 +208,14 @@ def launch(args: argparse.Namespace) -> int:
                    str(port), os.path.abspath(__file__), "--worker", "--dir", args.dir, "--size-mib",
                    str(args.size_mib), "--rounds", str(args.rounds), "--groups", ",".join(g.paths), "--dev", dev, "--out", out,
                    "--engine-options", args.engine_options]
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if not args.verbose else None,
-                           stderr=None if args.verbose else subprocess.DEVNULL)
+            done = subprocess.run(cmd, stdout=None if args.verbose else subprocess.DEVNULL,
+                                  stderr=None if args.verbose else subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                tail = (done.stderr or "")[-4000:]
+                print(f"W={w}: the ranks failed (exit {done.returncode}); their stderr's end:\n{tail}",
+                      file=sys.stderr)
+                _unlink(out)
+                return 1
             with open(out) as f:
                 res = json.load(f)
             os.unlink(out)
