@@ -2,7 +2,8 @@
 alone (no FastPersistCallback), or stock, one phase per run.
 
 Run under torchrun: ``python -m torch.distributed.run --nproc-per-node N THIS DIR MODE LAYOUT PHASE``.
-MODE: ``fastpersist`` (the plugin alone) or ``stock``; LAYOUT: ``file``
+MODE: ``fastpersist`` (the plugin alone), ``callback`` (the plugin with FastPersistCallback)
+or ``stock``; LAYOUT: ``file``
 (``save_distributed_checkpoint=False``: one .ckpt) or ``sharded`` (a DCP directory). PHASE:
 
 * ``fit``: fit 4 steps from scratch, a checkpoint every epoch of 2 steps (top 2, and last);
@@ -32,16 +33,18 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from fp_integrations.lightning import FastPersistIO  # noqa: E402
+from fp_integrations.lightning import FastPersistCallback, FastPersistIO  # noqa: E402
 
 
 class Net(LightningModule):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        # 37 and 5 rows: divided by neither 2 nor 4, so shards are uneven
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 37), torch.nn.ReLU(), torch.nn.Linear(37, 64),
-                                       torch.nn.ReLU(), torch.nn.Linear(64, 5))
+        # 37 and 5 rows: divided by neither 2 nor 4, so shards are uneven; the 4 MiB weight:
+        # each rank's rows are long enough to be written O_DIRECT, where "fail" injects its EIO
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 37), torch.nn.ReLU(), torch.nn.Linear(37, 512),
+                                       torch.nn.ReLU(), torch.nn.Linear(512, 2048), torch.nn.ReLU(),
+                                       torch.nn.Linear(2048, 5))
 
     def configure_model(self) -> None:
         mesh = self.device_mesh["data_parallel"]
@@ -77,14 +80,14 @@ class FailOnRank1(Callback):
 
 
 def make_trainer(d: str, mode: str, layout: str, steps: int, fail: bool = False) -> tuple[Trainer, FastPersistIO | None]:
-    plugin = FastPersistIO() if mode == "fastpersist" else None
+    plugin = FastPersistIO() if mode != "stock" else None
     mc = ModelCheckpoint(dirpath=os.path.join(d, f"ckpts-{mode}-{layout}"), every_n_epochs=1, save_top_k=2,
                          monitor="step_metric", mode="max", save_last=True, filename="s{step}")
     world = int(os.environ["WORLD_SIZE"])
     t = Trainer(accelerator="cpu", devices=world,
                 strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
                                                save_distributed_checkpoint=layout == "sharded"),
-                plugins=[plugin] if plugin else None, callbacks=[mc, *([FailOnRank1()] if fail else [])],
+                plugins=[plugin] if plugin else None, callbacks=[mc, *([FailOnRank1()] if fail else []), *([FastPersistCallback()] if mode == "callback" else [])],
                 max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
                 default_root_dir=d)
     return t, plugin

@@ -57,7 +57,7 @@ def file_runs(tmp_path_factory):
     failing on rank 1; and a fit on 1 process resumed on 2."""
     base = tmp_path_factory.mktemp("fit")
     out: dict = {"base": base}
-    out["fit"] = {m: _run(base, m, "file", "fit") for m in ("fastpersist", "stock")}
+    out["fit"] = {m: _run(base, m, "file", "fit") for m in ("fastpersist", "stock", "callback")}
     for name, nproc in (("resume2", 2), ("resume1", 1)):
         d = _copy(base, tmp_path_factory.mktemp(name) / "run")
         out[name] = (d, {m: _run(d, m, "file", "resume", nproc) for m in ("fastpersist", "stock")})
@@ -119,8 +119,15 @@ def test_plugin_alone_every_rank_writes_the_file_stock_writes(file_runs):
         mine = torch.load(ours, weights_only=True)
         theirs = torch.load(base / "ckpts-stock-file" / name, weights_only=True)
         _assert_equal(_strip_paths(mine, roots), _strip_paths(theirs, roots), name)
-        assert list(mine["optimizer_states"][0]["state"]) == list(range(6))
+        assert list(mine["optimizer_states"][0]["state"]) == list(range(8))
         assert mine["state_dict"]["net.0.weight"].shape == (37, 16)
+    # with FastPersistCallback as well: the same files, written the same way
+    assert all(r["routed"] and not r["warnings"] for r in file_runs["fit"]["callback"])
+    assert [r["stats"] for r in file_runs["fit"]["callback"]] == [r["stats"] for r in fp]
+    roots.append(str(base / "ckpts-callback-file"))
+    for name in names:
+        _assert_equal(_strip_paths(torch.load(base / "ckpts-callback-file" / name, weights_only=True), roots),
+                      _strip_paths(torch.load(base / "ckpts-fastpersist-file" / name, weights_only=True), roots))
     at4 = _records(base, "fastpersist", "file", "fit")["at_4"]
     last = torch.load(base / "ckpts-fastpersist-file" / "last.ckpt", weights_only=True)
     assert torch.equal(last["state_dict"]["net.2.weight"], at4["w.2.weight"])
