@@ -333,6 +333,7 @@ class CollectiveSave:
             raise
         finally:
             if engine is not None:
+                stats.backend, stats.backend_reason = engine.backend, engine.backend_reason
                 engine.close()
 
         stats.bytes = plan.file_size

@@ -88,6 +88,7 @@ def test_fsdp_state_saved_as_one_full_file(disk_dir, world):
     assert sum(r["rank_bytes"] for r in results) == results[0]["file_size"]  # every byte written once
     assert results[0]["default_is_dir"]  # no layout: a DCP directory, as before
     assert no_temp_files(disk_dir)
+    assert {r["backend"] for r in results} <= {"io_uring", "threadpool"}, results  # O_DIRECT, as stats say
 
 
 def test_hsdp_state_four_ranks(disk_dir):

@@ -94,7 +94,7 @@ def main() -> None:
             state = sharded_state(mesh, full_state(), placements)
             st = fp_core.save(state, path, layout="file")
             shards, replicated = local_bytes(state)
-            result.update(rank_bytes=st.extra["rank_bytes"], data_bytes=st.extra["data_bytes"],
+            result.update(backend=st.backend, rank_bytes=st.extra["rank_bytes"], data_bytes=st.extra["data_bytes"],
                           local_shard_bytes=shards, replicated_bytes=replicated, file_size=st.bytes,
                           differing=st.extra.get("differing_storages", 0))
             if scenario == "fsdp":  # no layout: a DCP directory, as before
