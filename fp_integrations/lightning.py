@@ -524,20 +524,36 @@ class _FastPersistIOImpl:
     def save_file(self, checkpoint: dict[str, Any], path: str) -> None:
         """Every rank: save ``checkpoint`` (its model and optimizer state DTensors) as one
         ``torch.save`` file of the full state at ``path``, each rank writing its own rows
-        (``fp_core.save(..., layout="file")``, routed here by
-        :mod:`fp_integrations.lightning_sharded`). Durable when this returns, after every
-        earlier save of this plugin; a failure on any rank fails it on every rank, and the
-        checkpoint under ``path`` before it is kept."""
+        (``layout="file"``, routed here by :mod:`fp_integrations.lightning_sharded`), in the
+        background unless the save must block, as :meth:`save_checkpoint`. A failure on any
+        rank fails it on every rank, and the checkpoint under ``path`` before it is kept."""
         import torch.distributed as dist
 
         t0 = time.perf_counter()
         self._save_calls += 1
         self._install_hook()
+        name = os.path.basename(path)
+        blocking = not self.async_save or bool(_HPC_NAME.match(name)) or name == _SPAWN_TEMP_NAME \
+            or self._must_block()
         # the user's on_commit runs once per checkpoint: where the file is committed
         on_commit = self._on_commit if not dist.is_initialized() or dist.get_rank() == 0 else self._record
         try:
-            self.wait()  # earlier background saves are durable first: checkpoints commit in order
-            on_commit(path, fp_core.save(checkpoint, path, layout="file", **self.engine_options))
+            with self._lock:
+                self._sweep()
+                if blocking and self._ckpt is None:
+                    on_commit(path, fp_core.save(checkpoint, path, layout="file", **self.engine_options))
+                    return
+                ckpt = self._checkpointer()
+                try:
+                    handle = ckpt.save(checkpoint, path, on_commit=on_commit, layout="file")
+                except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
+                    self.errors.handle(e, "background checkpoint")
+                    # a collective save is queued before the earlier failure is raised
+                    handle = getattr(e, "handle", None) or ckpt.save(checkpoint, path, on_commit=on_commit,
+                                                                     layout="file")
+                self._pending.setdefault(path, []).append(_Pending(handle, None))
+            if blocking:
+                handle.result()
         except Exception as e:
             self.errors.handle(e, f"saving checkpoint {path}")
         finally:

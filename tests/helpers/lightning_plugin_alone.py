@@ -141,6 +141,7 @@ def main() -> None:
             raise ValueError(phase)
     info["warnings"] = [str(w.message)[:300] for w in caught if "FastPersist" in type(w.message).__name__]
     info["stats"] = [os.path.basename(s.path) for s in (plugin.stats if plugin else [])]
+    info["policies"] = [s.policy for s in (plugin.stats if plugin else [])]
     info["routed"] = getattr(t.strategy, "_fastpersist_sharded", None) is plugin if plugin else False
     info["global_step"] = t.global_step
     info["world"] = t.world_size
