@@ -35,7 +35,8 @@ DTensor, and every rank writes its own rows of the one file (``fp_core.save(...,
 layout="file")``, :mod:`fp_core.sharded_file`), which holds what stock writes there (the
 full ``state_dict``, ``optimizer_states`` keyed by parameter id as
 ``FSDP.rekey_optim_state_dict`` keys them, rank 0's loops, callbacks and schedulers), so
-plain ``torch.load`` and stock Lightning read it. ``ckpt_path=...`` of such a file (ours or
+plain ``torch.load`` and stock Lightning read it; written in the background through the
+plugin's ``AsyncCheckpointer`` where the plugin's saves are. ``ckpt_path=...`` of such a file (ours or
 stock's) fills the sharded model and optimizer with ``fp_core.load_into``: each rank reads only
 its own rows, on any number of ranks.
 
