@@ -15,7 +15,8 @@
 # Phases, most important first:
 #
 #   setup        build the engine if needed; versions, GPU, memory, disk, engine backend
-#   cuda-tests   pytest -m cuda tests/core/test_cuda.py + sharded (Lightning, HF FSDP) <= 200 s
+#   cuda-tests   pytest -m cuda tests/core/test_cuda.py + sharded (Lightning FSDP, HF FSDP,
+#                layout="file" under NCCL from device shards)                    <= 200 s
 #   bench-async  fastpersist bench --async --device cuda: MLP 14 x 8192 float32 with
 #                Adam = 940M params, an 11.3 GB checkpoint after every iteration (1 s
 #                steps); rows: no checkpoint, torch.save, DCP async_save, Lightning's
@@ -196,7 +197,7 @@ fi
 
 if [ "$HAS_GPU" = 1 ]; then
     # -v: a test that hangs past the phase's timeout still leaves the names of those that passed
-    phase cuda-tests 200 30 "$PY" "${PYTEST_ARGS[@]}" -m cuda -v -rfEsxX --durations=10 tests/core/test_cuda.py tests/integrations/test_sharded_cuda.py
+    phase cuda-tests 200 30 "$PY" "${PYTEST_ARGS[@]}" -m cuda -v -rfEsxX --durations=10 tests/core/test_cuda.py tests/integrations/test_sharded_cuda.py tests/integrations/test_lightning_fsdp_cuda.py
     phase bench-async 200 60 "$PY" -m fp_core.tools.cli "${ASYNC_ARGS[@]}" --json-out "$LOGS/bench-async.json"
     phase bench-sync 90 30 "$PY" -m fp_core.tools.cli "${SYNC_ARGS[@]}" --json-out "$LOGS/bench-sync.json"
     phase lightning 75 30 "$PY" examples/lightning_finetune.py --large --accelerator gpu --steps 4 --dir "$WORK/lightning"
@@ -207,7 +208,7 @@ else
 fp_integrations.lightning, fp_integrations.hf, lightning, transformers, accelerate, safetensors, pytest, fsspec, numpy; \
 print('imports ok')"
     phase dry-collect 90 10 bash -c '"$0" "$@" | tee /dev/stderr | grep -Eq "^[0-9]+ tests? collected"' \
-        "$PY" "${PYTEST_ARGS[@]}" -m cuda --collect-only -q tests/core/test_cuda.py tests/integrations/test_sharded_cuda.py
+        "$PY" "${PYTEST_ARGS[@]}" -m cuda --collect-only -q tests/core/test_cuda.py tests/integrations/test_sharded_cuda.py tests/integrations/test_lightning_fsdp_cuda.py
     phase dry-bench-async 60 10 "$PY" -m fp_core.tools.cli "${ASYNC_ARGS[@]}" --dry-run
     phase dry-bench-sync 60 10 "$PY" -m fp_core.tools.cli "${SYNC_ARGS[@]}" --dry-run
     phase dry-examples 90 10 bash -c '"$0" examples/lightning_finetune.py --help | grep -q -- --accelerator &&
