@@ -265,7 +265,7 @@ def _load_file(strategy: Any, plugin: Any, path: str, weights_only: bool | None)
     target["state_dict"] = model
     if optimizers:
         target["optimizer_states"] = optimizers
-    from fp_core.sharded_load import LoadIntoStats
+    from fp_core import LoadIntoStats
 
     stats = LoadIntoStats()
     try:
