@@ -47,30 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
-def build(width: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The FSDP2 MLP and its Adam after one step, the same on every world size."""
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    for layer in m:
-        fully_shard(layer)
-    fully_shard(m)
-    opt = torch.optim.Adam(m.parameters(), lr=1e-4)
-    m(torch.randn(2, width)).sum().backward()
-    opt.step()
-    return m, opt
-
-
-def local_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return (obj.to_local() if hasattr(obj, "to_local") else obj).nbytes
-    if isinstance(obj, dict):
-        return sum(local_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(local_bytes(v) for v in obj)
-    return 0
+from fp_core.tools.bench_dcp import _build as build  # the same FSDP2 MLP + Adam as `fastpersist bench --dcp`
+from fp_core.tools.bench_dcp import _local_bytes as local_bytes
 
 
 def fsync_path(path: str) -> None:

@@ -150,7 +150,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -204,19 +204,27 @@ def intercept_safetensors_writes(ckptr: AsyncCheckpointer, handles: list) -> Ite
     and only replaces the final ``safe_save_file(tensors, filename, metadata)`` call.
     The handles of the started saves are appended to ``handles``. Main thread only.
     """
-    import safetensors.torch as st_torch
-    import transformers.modeling_utils as mu
-
     def _save_file(tensors: dict, filename: Any, metadata: dict | None = None) -> None:
         handles.append(ckptr.save(dict(tensors), os.fspath(filename), format="safetensors",
                                   metadata=metadata, local=True))
+
+    with _safetensors_writes_go_to(_save_file):
+        yield
+
+
+@contextlib.contextmanager
+def _safetensors_writes_go_to(save_file: Callable[..., None]) -> Iterator[None]:
+    """Within the block, ``safetensors.torch.save_file`` (and transformers' own reference
+    to it, ``safe_save_file``) is ``save_file``; one block at a time, process-wide."""
+    import safetensors.torch as st_torch
+    import transformers.modeling_utils as mu
 
     with _intercept_lock:
         orig_mu = getattr(mu, "safe_save_file", None)
         orig_st = st_torch.save_file
         if orig_mu is not None:
-            mu.safe_save_file = _save_file
-        st_torch.save_file = _save_file
+            mu.safe_save_file = save_file
+        st_torch.save_file = save_file
         try:
             yield
         finally:
@@ -349,24 +357,11 @@ def _stand_ins(model_sd: dict) -> tuple[dict, Any]:
 def _record_safetensors_writes(calls: list) -> Iterator[None]:
     """Within the block, ``save_pretrained``'s safetensors writes are recorded as
     ``(filename, tensor names, metadata)`` and not written."""
-    import safetensors.torch as st_torch
-    import transformers.modeling_utils as mu
-
     def _save_file(tensors: dict, filename: Any, metadata: dict | None = None) -> None:
         calls.append((os.fspath(filename), list(tensors), dict(metadata or {})))
 
-    with _intercept_lock:
-        orig_mu = getattr(mu, "safe_save_file", None)
-        orig_st = st_torch.save_file
-        if orig_mu is not None:
-            mu.safe_save_file = _save_file
-        st_torch.save_file = _save_file
-        try:
-            yield
-        finally:
-            if orig_mu is not None:
-                mu.safe_save_file = orig_mu
-            st_torch.save_file = orig_st
+    with _safetensors_writes_go_to(_save_file):
+        yield
 
 
 def _distributed() -> bool:

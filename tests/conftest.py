@@ -66,6 +66,16 @@ def run_ranks(script: str, tmp_path, *args: str, world: int = 2, timeout: float 
         return json.load(f)
 
 
+def rank_results(script: str, tmp_path, *args: str, world: int = 2, timeout: float = 240) -> list[dict]:
+    """:func:`run_ranks`, then every rank's own ``DIR/result{rank}.json``, in rank order."""
+    run_ranks(script, tmp_path, *args, world=world, timeout=timeout)
+    out = []
+    for r in range(world):
+        with open(os.path.join(str(tmp_path), f"result{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
 def fs_type(path: str) -> str:
     """The file system type of the mount that holds ``path`` (from /proc/self/mounts)."""
     path = os.path.realpath(path)

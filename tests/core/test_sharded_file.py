@@ -3,13 +3,12 @@ file of the full state, with real gloo processes (2, 3 and 4)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 import torch
-from conftest import HELPERS, run_ranks
+from conftest import HELPERS, rank_results
 
 import fp_core
 from fp_core.partition import split_extents
@@ -22,12 +21,7 @@ BLOCK = 4096
 
 
 def ranks(scenario: str, d: str, world: int) -> list[dict]:
-    run_ranks(WORKER, d, scenario, world=world, timeout=240)
-    out = []
-    for r in range(world):
-        with open(os.path.join(d, f"result{r}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return rank_results(WORKER, d, scenario, world=world)
 
 
 def assert_same(expected, got, where: str = "") -> None:

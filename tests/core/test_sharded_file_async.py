@@ -5,13 +5,12 @@ processes."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 import torch
-from conftest import HELPERS, run_ranks
+from conftest import HELPERS, rank_results
 
 import fp_core
 
@@ -22,12 +21,7 @@ WORKER = "sharded_file_async_worker.py"
 
 
 def ranks(scenario: str, d: str, world: int) -> list[dict]:
-    run_ranks(WORKER, d, scenario, world=world, timeout=240)
-    out = []
-    for r in range(world):
-        with open(os.path.join(d, f"result{r}.json")) as f:
-            out.append(json.load(f))
-    return out
+    return rank_results(WORKER, d, scenario, world=world)
 
 
 def after_steps(n: int) -> dict[str, torch.Tensor]:

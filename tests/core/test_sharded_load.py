@@ -3,13 +3,12 @@ ranks, with real gloo processes (1 to 4): each rank reads only its own rows."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
 
 import torch
-from conftest import HELPERS, run_ranks
+from conftest import HELPERS, rank_results
 
 import fp_core
 
@@ -21,11 +20,7 @@ WORKER = "sharded_load_worker.py"
 
 
 def ranks(scenario: str, d: str, world: int, *files: str) -> list[dict]:
-    run_ranks(WORKER, d, scenario, *files, world=world, timeout=240)
-    out = []
-    for r in range(world):
-        with open(os.path.join(d, f"result{r}.json")) as f:
-            out.append(json.load(f))
+    out = rank_results(WORKER, d, scenario, *files, world=world)
     assert all(r["ok"] for r in out), out
     return out
 

@@ -14,7 +14,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import HELPERS, flip_byte, run_ranks
+from conftest import HELPERS, flip_byte, rank_results
 
 import fp_core
 from fp_core.errors import CorruptCheckpointError, NotAFastPersistCheckpoint
@@ -94,11 +94,7 @@ def test_a_target_of_another_shape_names_the_key_and_both_shapes(tmp_path):
 
 
 def _ranks(scenario: str, d: str, timeout: float) -> list[dict]:
-    run_ranks(WORKER, d, scenario, world=2, timeout=timeout)
-    out = []
-    for r in range(2):
-        with open(os.path.join(d, f"result{r}.json")) as f:
-            out.append(json.load(f))
+    out = rank_results(WORKER, d, scenario, world=2, timeout=timeout)
     assert all(r["ok"] for r in out), out
     return out
 

@@ -7,13 +7,12 @@ verify=True refuses it."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 import torch
-from conftest import HELPERS, flip_byte, run_ranks
+from conftest import HELPERS, flip_byte, rank_results, run_ranks
 from safetensors.torch import save_file
 
 import fp_core
@@ -92,12 +91,8 @@ def test_dtensor_targets_on_three_ranks(disk_dir):
     fp_core.save(full, bad, format="safetensors")
     big = next(r for r in fp_core.inspect(bad) if r["name"] == "big")
     flip_byte(bad, big["offset"] + 700 * 1024 * 4 + 1000 * 4)  # row 700, column 1000: one rank's bytes
-    run_ranks("sharded_load_worker.py", disk_dir, "safetensors", "ours.safetensors", "plain.safetensors",
-              "bad.safetensors", world=3, timeout=300)
-    results = []
-    for r in range(3):
-        with open(os.path.join(disk_dir, f"result{r}.json")) as f:
-            results.append(json.load(f))
+    results = rank_results("sharded_load_worker.py", disk_dir, "safetensors", "ours.safetensors",
+                           "plain.safetensors", "bad.safetensors", world=3, timeout=300)
     assert all(r["ok"] for r in results), results
     for r in results:
         for name in ("fsdp", "tp"):
@@ -122,10 +117,8 @@ def test_written_by_two_ranks_loaded_on_three(disk_dir):
     full = flat_model()
     loaded = fp_core.load(os.path.join(disk_dir, "ours_ranks.safetensors"), verify=True)
     assert all(torch.equal(loaded[k], v) for k, v in full.items())
-    run_ranks("sharded_load_worker.py", disk_dir, "safetensors", "ours_ranks.safetensors", world=3, timeout=300)
-    for r in range(3):
-        with open(os.path.join(disk_dir, f"result{r}.json")) as f:
-            res = json.load(f)
+    for r, res in enumerate(rank_results("sharded_load_worker.py", disk_dir, "safetensors",
+                                         "ours_ranks.safetensors", world=3, timeout=300)):
         assert res["ok"], res
         for name in ("fsdp", "tp"):
             got = res["loads"][f"{name}/ours_ranks.safetensors"]
