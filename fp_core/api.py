@@ -56,7 +56,6 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
         raise ValueError(f"layout must be 'dcp' or 'file', not {layout!r}")
     if layout == "file" and is_sharded(obj):
         from .distributed import DEFAULT_TIMEOUT_S
-        from .sharded import has_sharded_tensor
         from .sharded_file import ShardedFileSave
 
         if is_remote:
@@ -65,9 +64,6 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
         if format not in ("torch", "safetensors") or extra_files:
             raise ValueError(f"{p}: layout=\"file\" writes one file, format='torch' or 'safetensors' (not "
                              f"{format!r}), no extra_files")
-        if has_sharded_tensor(obj):
-            raise ValueError(f"{p}: layout=\"file\" takes DTensor state; ShardedTensor (FSDP1) state is saved "
-                             "with layout=\"dcp\"")
         return ShardedFileSave(obj, p, group, options=options, format=format, metadata=metadata,
                                timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
     if layout == "dcp" and not is_sharded(obj):

@@ -40,6 +40,14 @@ where two ranks' runs meet go through the page cache as above, whole blocks stay
 ``Partial`` is refused on every rank before anything is created, naming the tensor, its
 placement and ``layout="dcp"``: its values are partial sums, and writing them would need a
 reduction.
+
+FSDP1's ``ShardedTensor`` (``SHARDED_STATE_DICT``, its sharded optimizer state) is written
+the same way, ``format="torch"``: a ``ChunkShardingSpec`` on dimension 0 gives each rank at
+most one local shard of whole rows, one byte run of the full tensor, whose place comes from
+the tensor's shard metadata (global on every rank, so every rank accepts or refuses alike).
+Another spec, several shards on one rank, shards that are not whole rows or do not tile the
+rows once are refused on every rank before anything is created, naming the tensor and
+``layout="dcp"``.
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ from .local import MIN_ALIGNMENT
 from .partition import split_extents
 from .plan import FilePlan, StorageExtent, align_down, align_up, from_skeleton, leaves, tensor_names
 from .safetensors_plan import _DTYPES, SafetensorsPlan, build_safetensors
-from .sharded import dtensor_type, map_containers
+from .sharded import dtensor_type, map_containers, sharded_tensor_type
 from .skeleton import capture
 from .writer import PieceCrc, RangeStats, combine_piece_crcs, finish_tail, write_range
 
@@ -105,6 +113,73 @@ class _Held:
 def _walk_dtensors(obj: Any, kind: type) -> list[tuple[str, Any]]:
     """(path, DTensor) of every DTensor in ``obj``'s dicts, lists and tuples."""
     return leaves(obj, lambda o: isinstance(o, kind))
+
+
+def _sharded_kinds() -> tuple[type, ...]:
+    """The sharded tensor types a state may hold now (DTensor, ShardedTensor)."""
+    return tuple(t for t in (dtensor_type(), sharded_tensor_type()) if t is not None)
+
+
+def _global_meta(t: Any) -> tuple[torch.Size, torch.dtype, bool]:
+    """The global shape, dtype and requires_grad of a DTensor or ShardedTensor. A
+    ShardedTensor's come from its metadata: its ``__torch_function__`` refuses most
+    tensor methods."""
+    kind = sharded_tensor_type()
+    if kind is not None and isinstance(t, kind):
+        md = t.metadata()
+        return torch.Size(md.size), md.tensor_properties.dtype, bool(md.tensor_properties.requires_grad)
+    return t.shape, t.dtype, t.requires_grad
+
+
+def _sharded_tensor_problem(st: Any, members: set[int]) -> str | None:
+    """Why a ShardedTensor's shards are not one shard of whole rows per rank tiling its
+    rows once, owned by ``members`` (None: they are)."""
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    md = st.metadata()
+    size = tuple(md.size)
+    spec = st.sharding_spec()
+    if not isinstance(spec, ChunkShardingSpec) or not size or spec.dim not in (0, -len(size)):
+        return f"is sharded by {spec!r}"
+    owners: set[int] = set()
+    rows: list[tuple[int, int]] = []
+    for sm in md.shards_metadata:
+        r = sm.placement.rank()
+        if r in owners:
+            return f"has several shards on rank {r}"
+        owners.add(r)
+        if any(sm.shard_offsets[1:]) or tuple(sm.shard_sizes[1:]) != size[1:]:
+            return f"has a shard that is not whole rows (offsets {list(sm.shard_offsets)}, sizes {list(sm.shard_sizes)})"
+        if sm.shard_sizes[0]:
+            if r not in members:
+                return f"has a shard on rank {r}, outside the save's group (ranks {sorted(members)})"
+            rows.append((sm.shard_offsets[0], sm.shard_sizes[0]))
+    at = 0
+    for first, n in sorted(rows):
+        if first != at:
+            return f"has shards whose rows do not tile [0, {size[0]}) once (a shard at row {first} after row {at})"
+        at = first + n
+    if at != size[0]:
+        return f"has shards covering rows [0, {at}) of {size[0]}"
+    return None
+
+
+def check_sharded_tensors(obj: Any, group: Any = None) -> None:
+    """Refuse a state any of whose ShardedTensors cannot be written as whole rows by their
+    owners (see the module's docstring), naming the first such tensor. Every non-empty
+    shard must be owned by a rank of ``group`` (the save's; None: every rank)."""
+    kind = sharded_tensor_type()
+    found = leaves(obj, lambda o: isinstance(o, kind)) if kind is not None else []
+    if not found or not dist.is_initialized():  # no ShardedTensor, or the save refuses itself
+        return
+    members = set(dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size()))
+    for path, st in found:
+        why = _sharded_tensor_problem(st, members)
+        if why is not None:
+            raise UnsupportedPlacementError(
+                f"{path}: a ShardedTensor of shape {tuple(st.metadata().size)} {why}: layout=\"file\" takes a "
+                "ChunkShardingSpec on dimension 0, one shard of whole rows per rank; save this state with "
+                "layout=\"dcp\"")
 
 
 def check_placements(obj: Any) -> None:
@@ -268,8 +343,13 @@ class ShardedFileSave(CollectiveSave):
             raise ValueError(f"layout=\"file\" writes format 'torch' or 'safetensors', not {format!r}")
         # every rank refuses the same state: nothing is created
         if format == "safetensors":
+            kind = sharded_tensor_type()
+            if kind is not None and leaves(obj, lambda o: isinstance(o, kind)):
+                raise ValueError(f"{os.fspath(path)}: ShardedTensor (FSDP1) state with layout=\"file\" is written "
+                                 "as format='torch'")
             check_safetensors_state(obj)
         check_placements(obj)
+        check_sharded_tensors(obj, group)
         self.format, self.metadata = format, metadata
         self.full: FilePlan | None = None
         self._names: list[str] = []  # record number -> name (a torch record's, a safetensors tensor's)
@@ -321,23 +401,24 @@ class ShardedFileSave(CollectiveSave):
     def _full_torch(self, obj: Any) -> tuple[FilePlan, Callable[[StorageExtent], Any]]:
         """The plan of the full state's ``torch.save`` file, and which DTensor (its path)
         each of its storages stands for (None: a plain tensor)."""
-        kind = dtensor_type()
-        found = _walk_dtensors(obj, kind) if kind is not None else []
+        kind = _sharded_kinds()
+        found = _walk_dtensors(obj, kind) if kind else []
         unique: dict[int, tuple[str, Any]] = {}
         for path, dt in found:
             unique.setdefault(id(dt), (path, dt))
         dtensors = list(unique.values())
-        sizes = [dt.numel() * dt.element_size() for _, dt in dtensors]
+        metas = [_global_meta(dt) for _, dt in dtensors]
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype, _ in metas]
         holes = Placeholders(sizes)
         stand_in: dict[int, torch.Tensor] = {}
-        for i, ((_, dt), n) in enumerate(zip(dtensors, sizes)):
-            t = holes.tensor(i, dt.shape, dt.dtype, n)
-            if dt.requires_grad:
+        for i, ((_, dt), (shape, dtype, grad), n) in enumerate(zip(dtensors, metas, sizes)):
+            t = holes.tensor(i, shape, dtype, n)
+            if grad:
                 t.requires_grad_(True)
             stand_in[id(dt)] = t
 
         def replace(o: Any) -> Any:
-            if kind is not None and isinstance(o, kind):
+            if kind and isinstance(o, kind):
                 return stand_in[id(o)]
             if isinstance(o, (dict, list, tuple)):
                 return map_containers(o, replace)
@@ -382,6 +463,9 @@ class ShardedFileSave(CollectiveSave):
         """Where this rank's local shard of ``dt`` lies in the full tensor's storage (its
         byte runs: full offset, local offset, length), its bytes, and the
         coordination-group ranks that hold the same shard."""
+        st_kind = sharded_tensor_type()
+        if st_kind is not None and isinstance(dt, st_kind):
+            return self._sharded_tensor_bytes(path, dt)
         from torch.distributed.tensor import Replicate
 
         mesh = dt.device_mesh
@@ -402,6 +486,31 @@ class ShardedFileSave(CollectiveSave):
         pick = tuple(slice(None) if isinstance(p, Replicate) else c for p, c in zip(dt.placements, coord))
         holders = [dist.get_group_rank(self.cg, g) for g in ranks[pick].flatten().tolist()]
         return segments, source, tuple(holders), holders.index(dist.get_rank(self.cg))
+
+    def _sharded_tensor_bytes(self, path: str, st: Any
+                              ) -> tuple[list[tuple[int, int, int]], torch.Tensor, tuple[int, ...], int]:
+        """:meth:`_local_bytes` of a ShardedTensor that :func:`check_sharded_tensors` took:
+        this rank's one shard of whole rows is one run, at its first row, held by it alone."""
+        me = dist.get_rank(self.cg)
+        empty = torch.empty(0, dtype=torch.uint8)
+        md = st.metadata()
+        size, dtype = tuple(md.size), md.tensor_properties.dtype
+        mine = [sm for sm in md.shards_metadata if sm.placement.rank() == dist.get_rank() and sm.shard_sizes[0]]
+        shards = [s.tensor for s in st.local_shards() if s.tensor.numel()]
+        row = math.prod(size[1:]) * dtype.itemsize
+        if not mine or not row:
+            if shards:
+                raise CollectiveSaveError(f"{path}: this rank holds a local shard that the ShardedTensor's metadata "
+                                          "gives no rows")
+            return [], empty, (me,), 0
+        sm = mine[0]
+        if len(shards) != 1 or tuple(shards[0].shape) != tuple(sm.shard_sizes) or shards[0].dtype != dtype:
+            got = [(tuple(t.shape), t.dtype) for t in shards]
+            raise CollectiveSaveError(f"{path}: the local shards {got} are not the metadata's one shard of "
+                                      f"shape {tuple(sm.shard_sizes)}, {dtype}")
+        local = shards[0] if shards[0].is_contiguous() else shards[0].contiguous()
+        source = local.reshape(-1).view(torch.uint8)
+        return [(sm.shard_offsets[0] * row, 0, sm.shard_sizes[0] * row)], source, (me,), 0
 
     # -- the collective save's steps --------------------------------------------------
 
@@ -607,5 +716,5 @@ class ShardedFileSave(CollectiveSave):
         return stats
 
 
-__all__ = ["Placeholders", "ShardedFileSave", "UnsupportedPlacementError", "check_placements",
+__all__ = ["Placeholders", "ShardedFileSave", "UnsupportedPlacementError", "check_placements", "check_sharded_tensors",
            "check_safetensors_state", "global_indices", "shard_segments"]
