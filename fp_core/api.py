@@ -48,7 +48,8 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
     with ``layout="file"``, ``path`` is one ``torch.save`` file of the full state (with
     ``format="safetensors"``: one safetensors file of a flat ``{name: DTensor or tensor}``
     dict, ``metadata`` in its header) that every rank writes its own shards into
-    (:mod:`fp_core.sharded_file`).
+    (:mod:`fp_core.sharded_file`); FSDP1's ``ShardedTensor`` state (``ChunkShardingSpec``
+    on dim 0) too, in the torch format.
     """
     options = options or EngineOptions()
     is_remote, p = paths.split(path)
@@ -130,9 +131,9 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     is a checkpoint directory written through ``torch.distributed.checkpoint`` on the
     native engine, atomically, that stock ``dcp.load`` reads (see :mod:`fp_core.dcp`);
     ``extra_files`` (``{name: bytes}``) are written into it, checksummed. ``layout="file"``
-    instead: ``path`` is one ``torch.save`` file of the full state (each DTensor a plain
-    tensor of its global shape, the keys unchanged) that every rank writes its own
-    ``Shard(0)`` rows into, with no gather; ``Replicate()`` and plain tensors are split
+    instead: ``path`` is one ``torch.save`` file of the full state (each DTensor, or FSDP1
+    ``ShardedTensor`` chunked on dim 0, a plain tensor of its global shape, the keys
+    unchanged) that every rank writes its own ``Shard(0)`` rows into, with no gather; ``Replicate()`` and plain tensors are split
     among their holders. With ``format="safetensors"`` and ``layout="file"``, a flat
     ``{name: DTensor or tensor}`` dict (a model's state dict under FSDP2's ``fully_shard``)
     is written the same way as one safetensors file of the full tensors, ``metadata`` in
