@@ -638,8 +638,10 @@ class FastPersistCallback(TrainerCallback):
 
     def _uninstall(self) -> None:
         t = self._installed_on
-        for name in ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "save_model"):
-            if t is not None and t.__dict__.get(name) == getattr(self, name):
+        ours = {"_save_checkpoint": self._save_checkpoint, "_load_from_checkpoint": self._load_from_checkpoint,
+                "_load_optimizer_and_scheduler": self._load_optimizer_and_scheduler, "save_model": self._save_model}
+        for name, method in ours.items():
+            if t is not None and t.__dict__.get(name) == method:
                 del t.__dict__[name]
         self._installed_on = None
 

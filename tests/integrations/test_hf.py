@@ -396,6 +396,22 @@ def test_attach_explicitly_and_add_callback(tmp_path):
     assert set(os.listdir(tmp_path / "o" / "checkpoint-2")) == FP_CKPT_FILES
 
 
+
+def test_detach_gives_the_trainer_its_stock_methods_back(tmp_path):
+    t = Trainer(model=tiny_bert(), args=make_args(tmp_path / "o", max_steps=2), train_dataset=TokenDataset())
+    stock = {n for n in ("_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "save_model")
+             if n not in t.__dict__}
+    cb = FastPersistCallback(trainer=t)
+    t.add_callback(cb)
+    assert {"_save_checkpoint", "_load_from_checkpoint", "_load_optimizer_and_scheduler"} <= set(t.__dict__)
+    t.train()
+    cb.detach()
+    assert not stock & set(t.__dict__)  # the class's own methods again
+    assert cb.trainer is None
+    t.args.output_dir = str(tmp_path / "stock")
+    t.save_model()  # the stock save, no FastPersist manifest
+    assert os.path.isfile(tmp_path / "stock" / "model.safetensors")
+
 DIST_SCRIPT = textwrap.dedent("""
     import os, sys, json, torch
     sys.path.insert(0, {repo!r})
