@@ -1,4 +1,5 @@
-"""How a rank of a multi-process test reports back: its result as JSON in the run's
+"""How a rank of a multi-process test joins its peers (:func:`join`, from the command line
+``conftest.run_ranks`` gives it) and reports back: its result as JSON in the run's
 directory (``result{rank}.json``; rank 0's also as ``result.json``, which
 ``conftest.run_ranks`` returns), then an immediate exit."""
 
@@ -7,8 +8,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import traceback
 from collections.abc import Iterator
+
+
+def join() -> tuple[int, int, str, str]:
+    """``RANK WORLD PORT DIR SCENARIO`` from the command line: the gloo process group is
+    joined on loopback; returns (rank, world, DIR, SCENARIO)."""
+    import torch.distributed as dist
+
+    rank, world, port, d, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return rank, world, d, scenario
 
 
 def report_and_exit(d: str, rank: int, result: dict) -> None:

@@ -13,10 +13,9 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from rank_report import reported  # noqa: E402
+from rank_report import join, reported  # noqa: E402
 
 import fp_core  # noqa: E402
 from fp_core import _native  # noqa: E402
@@ -51,9 +50,7 @@ def train_in_place(state: dict) -> None:
 
 
 def main() -> None:
-    rank, world, port, d, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, world, d, scenario = join()
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from rank_report import reported  # noqa: E402
+from rank_report import join, reported  # noqa: E402
 
 import fp_core  # noqa: E402
 from fp_core import _native  # noqa: E402
@@ -186,9 +186,7 @@ def refused(d: str, world: int, result: dict) -> None:
 
 
 def main() -> None:
-    rank, world, port, d, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, world, d, scenario = join()
     result: dict = {"rank": rank}
     path = os.path.join(d, "full.pt")
     with reported(d, rank, result):
