@@ -310,6 +310,14 @@ class _Matcher:
 
         rows = local_rows(target, key, strided=True)
         idx = global_indices(target)
+        expected = tuple(len(ix) for ix in idx)
+        if tuple(rows.local.shape) != expected:
+            # FSDP2 x TP lays uneven rows out unlike DTensor's own split: the runs computed
+            # from the latter would fill the wrong rows, and run past the shard's memory
+            raise ValueError(f"load_into: {key or 'the tensor'} is a DTensor placed {tuple(target.placements)} "
+                             f"whose local shard has shape {tuple(rows.local.shape)}, but DTensor's split of its "
+                             f"global shape {tuple(target.shape)} gives this rank {expected}: its rows cannot be "
+                             "placed; load it from a layout=\"dcp\" checkpoint")
         if isinstance(saved, torch.Tensor):  # loaded whole: its indices copied
             src = saved
             for d, ix in enumerate(idx):
@@ -328,9 +336,12 @@ class _Matcher:
         flat = local.reshape(-1).view(torch.uint8)  # the local shard's bytes, where each run goes
         start = saved.storage_offset * es
         for i, (g, at, n) in enumerate(shard_segments(tuple(saved.shape), idx, es)):
+            into = flat[at:at + n]
+            if into.numel() != n:  # never read past the local shard (the shape check above holds it)
+                raise ValueError(f"load_into: {key or 'the tensor'}: a run of {n} bytes at {at} does not fit its "
+                                 f"local shard of {flat.numel()} bytes")
             seg = SavedTensor(saved.offset, saved.storage_nbytes, torch.uint8, start + g, (n,), (1,))
-            self.fills.append(_Fill(key, flat[at:at + n], saved.offset + start + g, n, record, seg, rows,
-                                    counts=i == 0))
+            self.fills.append(_Fill(key, into, saved.offset + start + g, n, record, seg, rows, counts=i == 0))
         return target
 
     def _optimizer(self, saved: Mapping, target: Mapping, key: str) -> dict:

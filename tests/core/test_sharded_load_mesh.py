@@ -53,3 +53,42 @@ def test_strided_shard_targets_read_their_interleaved_rows(disk_dir):
                 assert got["differ"] == [] and got["in_place"], (world, r["rank"], f, got)
                 assert got["tensor_bytes"] == got["shard_bytes"] + got["replicated_bytes"], (world, r["rank"], f)
                 assert got["check_bytes"] == 0, (world, r["rank"], f, got)
+
+
+_UNEVEN_STRIDED = r"""
+import json, sys, torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+import fp_core
+rows, cols, dp, tp = 20, 2, 3, 3
+torch.save({"w": torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)}, sys.argv[1])
+dist.init_process_group("fake", store=FakeStore(), rank=7, world_size=dp * tp)  # mesh coordinate (2, 1)
+mesh = init_device_mesh("cpu", (dp, tp))
+buf = torch.full((3, cols), -1.0)
+local = buf[0:1]  # FSDP2 x TP gives this rank 1 row of 20 over 3 x 3; DTensor's own split says 2
+dt = DTensor.from_local(local, mesh, (_StridedShard(0, split_factor=tp), Shard(0)), run_check=False,
+                        shape=(rows, cols), stride=(cols, 1))
+try:
+    fp_core.load_into({"w": dt}, sys.argv[1])
+    error = ""
+except ValueError as e:
+    error = str(e)
+print(json.dumps({"error": error, "buf": buf.tolist()}))
+"""
+
+
+def test_uneven_strided_shard_whose_rows_cannot_be_placed_is_refused_untouched(tmp_path):
+    """An FSDP2 x TP local shard whose row count differs from DTensor's own split (uneven
+    rows): refused before any read, and no byte is written past the shard."""
+    import json
+    import subprocess
+    import sys as _sys
+
+    p = subprocess.run([_sys.executable, "-c", _UNEVEN_STRIDED, str(tmp_path / "full.pt")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "cannot be placed" in res["error"] and "(1, 2)" in res["error"], res
+    assert res["buf"] == [[-1.0, -1.0]] * 3  # neither the shard nor the memory past it was written
