@@ -481,6 +481,19 @@ class _FastPersistIOImpl:
         """Every rank: save sharded (DTensor) ``state`` into the checkpoint directory ``path``
         (Lightning's sharded strategies, routed here by :mod:`fp_integrations.lightning_sharded`);
         in the background unless the save must block, as :meth:`save_checkpoint`."""
+        self._save_every_rank(state, path, "saving sharded checkpoint", extra_files=extra_files)
+
+    def save_file(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Every rank: save ``checkpoint`` (its model and optimizer state DTensors) as one
+        ``torch.save`` file of the full state at ``path``, each rank writing its own rows
+        (``layout="file"``, routed here by :mod:`fp_integrations.lightning_sharded`), in the
+        background unless the save must block, as :meth:`save_checkpoint`. A failure on any
+        rank fails it on every rank, and the checkpoint under ``path`` before it is kept."""
+        self._save_every_rank(checkpoint, path, "saving checkpoint", layout="file")
+
+    def _save_every_rank(self, state: dict[str, Any], path: str, what: str, **save_kw: Any) -> None:
+        """A save every rank makes together (``save_kw``: a sharded directory's
+        ``extra_files``, or ``layout="file"``), queued or blocking as :meth:`save_checkpoint`'s."""
         import torch.distributed as dist
 
         from fp_core.sharded import has_sharded_tensor
@@ -492,70 +505,29 @@ class _FastPersistIOImpl:
         # as save_checkpoint: SLURM requeue saves are durable before the process is killed
         blocking = not self.async_save or bool(_HPC_NAME.match(name)) or name == _SPAWN_TEMP_NAME \
             or self._must_block()
-        # the user's on_commit runs once per checkpoint: where the directory is committed
+        # the user's on_commit runs once per checkpoint: where the checkpoint is committed
         on_commit = self._on_commit if not dist.is_initialized() or dist.get_rank() == 0 else self._record
         try:
-            if has_sharded_tensor(state):  # FSDP1: DCP's own async save, with our writer
-                self._save_sharded_tensors(state, path, extra_files, on_commit, blocking)
+            if "extra_files" in save_kw and has_sharded_tensor(state):  # FSDP1: DCP's async save, our writer
+                self._save_sharded_tensors(state, path, save_kw["extra_files"], on_commit, blocking)
                 return
             with self._lock:
                 self._sweep()
                 if blocking and self._ckpt is None:
-                    on_commit(path, fp_core.save(state, path, extra_files=extra_files, **self.engine_options))
+                    on_commit(path, fp_core.save(state, path, **save_kw, **self.engine_options))
                     return
                 ckpt = self._checkpointer()
                 try:
-                    handle = ckpt.save(state, path, on_commit=on_commit, extra_files=extra_files)
+                    handle = ckpt.save(state, path, on_commit=on_commit, **save_kw)
                 except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
                     self.errors.handle(e, "background checkpoint")
                     # a collective save is queued before the earlier failure is raised
-                    handle = getattr(e, "handle", None) or ckpt.save(state, path, on_commit=on_commit,
-                                                                     extra_files=extra_files)
+                    handle = getattr(e, "handle", None) or ckpt.save(state, path, on_commit=on_commit, **save_kw)
                 self._pending.setdefault(path, []).append(_Pending(handle, None))
             if blocking:
                 handle.result()
         except Exception as e:
-            self.errors.handle(e, f"saving sharded checkpoint {path}")
-        finally:
-            self.save_call_seconds.append(time.perf_counter() - t0)
-            if len(self.save_call_seconds) > self.keep_stats:
-                del self.save_call_seconds[0]
-
-    def save_file(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Every rank: save ``checkpoint`` (its model and optimizer state DTensors) as one
-        ``torch.save`` file of the full state at ``path``, each rank writing its own rows
-        (``layout="file"``, routed here by :mod:`fp_integrations.lightning_sharded`), in the
-        background unless the save must block, as :meth:`save_checkpoint`. A failure on any
-        rank fails it on every rank, and the checkpoint under ``path`` before it is kept."""
-        import torch.distributed as dist
-
-        t0 = time.perf_counter()
-        self._save_calls += 1
-        self._install_hook()
-        name = os.path.basename(path)
-        blocking = not self.async_save or bool(_HPC_NAME.match(name)) or name == _SPAWN_TEMP_NAME \
-            or self._must_block()
-        # the user's on_commit runs once per checkpoint: where the file is committed
-        on_commit = self._on_commit if not dist.is_initialized() or dist.get_rank() == 0 else self._record
-        try:
-            with self._lock:
-                self._sweep()
-                if blocking and self._ckpt is None:
-                    on_commit(path, fp_core.save(checkpoint, path, layout="file", **self.engine_options))
-                    return
-                ckpt = self._checkpointer()
-                try:
-                    handle = ckpt.save(checkpoint, path, on_commit=on_commit, layout="file")
-                except AsyncCheckpointError as e:  # an earlier background save failed (now reported)
-                    self.errors.handle(e, "background checkpoint")
-                    # a collective save is queued before the earlier failure is raised
-                    handle = getattr(e, "handle", None) or ckpt.save(checkpoint, path, on_commit=on_commit,
-                                                                     layout="file")
-                self._pending.setdefault(path, []).append(_Pending(handle, None))
-            if blocking:
-                handle.result()
-        except Exception as e:
-            self.errors.handle(e, f"saving checkpoint {path}")
+            self.errors.handle(e, f"{what} {path}")
         finally:
             self.save_call_seconds.append(time.perf_counter() - t0)
             if len(self.save_call_seconds) > self.keep_stats:
