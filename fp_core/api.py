@@ -183,6 +183,11 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
     ``mmap=True``: as with ``torch.load(mmap=True)``, the tensors stay mapped on the file
     (copy-on-write), read in at the disk's speed before the call returns; the file must not
     be truncated or rewritten in place while they live.
+
+    Where a process writer with ``resume_from_memory`` left the file's image in shared
+    memory (``AsyncCheckpointer(writer="process")``) and the file is still the one it
+    wrote, the image is read instead of the disk, every byte checked against the file's
+    checksums; a failing image falls back to the disk (not with ``mmap``).
     """
     is_remote, p = paths.split(path)
     if is_remote:
@@ -190,7 +195,45 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
 
         return remote.load(p, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap,
                            storage_options=storage_options, keep_local=keep_local)
+    image = None if mmap else _memory_image(p)  # a mapping must not see the arena's next snapshot
+    if image is not None:
+        try:
+            return _from_memory(p, image, lambda: loader.load(image, map_location=map_location,
+                                                              weights_only=weights_only, verify=True))
+        except _MemoryImageFailed:
+            pass
     return loader.load(p, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)
+
+
+class _MemoryImageFailed(Exception):
+    pass
+
+
+def _memory_image(path: str) -> str | None:
+    """The shared-memory image of the checkpoint file ``path`` that a process writer with
+    ``resume_from_memory`` left (:mod:`fp_core.memory_image`), while it holds that file."""
+    from . import memory_image
+
+    return memory_image.find(path)
+
+
+def _from_memory(path: str, image: str, read: Any) -> Any:
+    """``read()`` from the image (checked against every checksum); on any failure the
+    caller reads the disk instead."""
+    import logging
+
+    log = logging.getLogger("fastpersist")
+    try:
+        out = read()
+    except Exception as e:  # noqa: BLE001 - the file on disk is the reference: read it instead
+        log.warning("fastpersist: the shared-memory image of %s failed (%s: %s); loading from disk",
+                    path, type(e).__name__, e)
+        raise _MemoryImageFailed from e
+    log.info("fastpersist: %s loaded from its shared-memory image %s (every byte checked)", path, image)
+    from . import memory_image
+
+    memory_image.hits += 1
+    return out
 
 
 def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, weights_only: bool | None = True,
@@ -204,7 +247,8 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, wei
     :func:`fp_core.load_in_place.load_into`. A remote URL is fetched into local staging
     first. DTensors (FSDP2, HSDP; any number of ranks) are filled from one file of the full
     state, each rank reading only its own rows. ``stats``: a
-    :class:`fp_core.sharded_load.LoadIntoStats` filled with the bytes read."""
+    :class:`fp_core.sharded_load.LoadIntoStats` filled with the bytes read. As :func:`load`,
+    a shared-memory image of the file is read instead of the disk where one holds it."""
     from .load_in_place import load_into as fill
 
     is_remote, p = paths.split(path)
@@ -214,6 +258,13 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, wei
         with remote.fetch(p, storage_options=storage_options, keep_local=keep_local) as local, \
                 remote.named_by_url(p, local):
             return fill(target, local, verify=verify, weights_only=weights_only, stats=stats)
+    image = _memory_image(p)
+    if image is not None:
+        try:
+            return _from_memory(p, image, lambda: fill(target, image, verify=True, weights_only=weights_only,
+                                                       stats=stats))
+        except _MemoryImageFailed:
+            pass
     return fill(target, p, verify=verify, weights_only=weights_only, stats=stats)
 
 

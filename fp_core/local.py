@@ -97,6 +97,34 @@ class LocalSave:
         self._t0 = t0
         self._failed: BaseException | None = None
 
+    @classmethod
+    def from_plan(cls, plan: FilePlan, path: str | os.PathLike, options: EngineOptions,
+                  mode: int | None = None) -> LocalSave:
+        """A save of a layout made elsewhere (the trainer, for the writer process): its
+        temporary file opened here. The layout's alignment must suit this file's engine."""
+        self = cls.__new__(cls)
+        self._t0 = time.perf_counter()
+        self.options = options
+        self.final = os.path.abspath(os.fspath(path))
+        self.target = commit.check_target(os.fspath(path))
+        commit.clean_in_background(os.path.dirname(self.target))
+        self.stats = SaveStats(path=self.final)
+        self._mode = 0o666 if mode is None else mode
+        self._early, self._failed, self.plan = None, None, plan
+        try:
+            self._open_temp()
+        except OSError as e:
+            raise rename_os_error(e, self.final) from e
+        try:
+            if plan.alignment % max(MIN_ALIGNMENT, self.engine.alignment):
+                raise OSError(errno.EINVAL, f"the file system needs {self.engine.alignment}-byte alignment, the "
+                              f"layout has {plan.alignment}", self.final)
+            commit.check_room(self.target, plan.file_size, self.temp.fileno())
+        except BaseException:
+            self.abort()
+            raise
+        return self
+
     def run(self, on_body_written: Callable[[], None] | None = None, publish: bool = True) -> SaveStats:
         """Write, sync and (unless ``publish=False``) publish.
 

@@ -71,6 +71,7 @@ from .errors import CheckpointError
 from .fence_cut import FenceCut
 from .job import SaveJob
 from .plan import StorageExtent
+from .process_writer import WRITERS, ProcessSave, WriterProcess
 from .stats import SaveStats
 from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, mark_ready, snapshot_to_host, stage_cpu
 
@@ -332,6 +333,17 @@ class AsyncCheckpointer:
             threads it starts (Linux: per thread, inherited). 0 (default) keeps the
             caller's: where training keeps every core busy, a niced writer starves the
             snapshot copy and the fence waits for it.
+        writer: ``"thread"`` (default) writes on a thread of this process; ``"process"``
+            in a writer process of its own (:mod:`fp_core.process_writer`): snapshots go
+            into shared memory, and a save whose fence has passed is committed even if this
+            process is killed right after. Local single-file saves take it (with the
+            snapshot policy); collective, sharded and remote saves, and a checkpoint over
+            ``snapshot_budget_bytes``, stay on the thread (logged once).
+        resume_from_memory: with ``writer="process"``, keep the last committed
+            checkpoint's image in shared memory (``/dev/shm``, its size in RAM) after this
+            process ends without closing, so that a restart on this machine loads it from
+            there (``fp_core.load``/``load_into``, checked against its checksums) instead
+            of from disk. ``close()`` removes it.
         group, topology, timeout_s: make every save collective over this
             torch.distributed group (every rank calls ``save`` in the same order), as
             ``fp_core.save(..., group=...)``; the collective runs on the worker thread
@@ -345,13 +357,23 @@ class AsyncCheckpointer:
                  save_threads: int | None = None, writer_nice: int = 0, huge_pages: bool = True,
                  collapse_live_tensors: bool = False, fence_copies_rest: bool = True,
                  group: Any = None, topology: Any = "replica",
-                 timeout_s: float = DEFAULT_TIMEOUT_S, **engine_options: Any) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, writer: str = "thread", resume_from_memory: bool = False,
+                 **engine_options: Any) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
         if when_busy not in ("wait", "queue"):
             raise ValueError(f"when_busy must be 'wait' or 'queue', not {when_busy!r}")
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
+        if writer not in WRITERS:
+            raise ValueError(f"writer must be one of {WRITERS}, not {writer!r}")
+        if resume_from_memory and writer != "process":
+            raise ValueError("resume_from_memory needs writer='process' (the thread writer's snapshots die "
+                             "with this process)")
+        self.writer = writer
+        self.resume_from_memory = resume_from_memory
+        self._writer_proc: WriterProcess | None = None
+        self._thread_reasons: set[str] = set()  # saves kept on the thread writer, logged once each
         self.policy = policy
         self.max_in_flight = max_in_flight
         self.when_busy = when_busy
@@ -429,11 +451,14 @@ class AsyncCheckpointer:
         # overlap); guessed wrong, an overlap save stages its writes and its fence waits
         # for them (_fence_can_copy), a snapshot pays the relayout once.
         snapshot_next = self.policy != "overlap" and self._last_policy == "snapshot"
-        prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
-                               group=None if local else self.group, topology=self.topology,
-                               timeout_s=self.timeout_s, congruent=not snapshot_next,
-                               storage_options=storage_options,
-                               keep_local=keep_local, extra_files=extra_files, layout=layout)
+        prepared = self._prepare_in_process(obj, path, format, metadata, local, storage_options,
+                                            extra_files, layout)
+        if prepared is None:
+            prepared = api.prepare(obj, path, self.options, format=format, metadata=metadata,
+                                   group=None if local else self.group, topology=self.topology,
+                                   timeout_s=self.timeout_s, congruent=not snapshot_next,
+                                   storage_options=storage_options,
+                                   keep_local=keep_local, extra_files=extra_files, layout=layout)
         # An earlier failure is raised before a save of this rank alone is queued; a
         # collective save (the other ranks will wait for this one in it) is queued first,
         # then it is raised (``AsyncCheckpointError.handle`` is the queued save).
@@ -461,6 +486,37 @@ class AsyncCheckpointer:
                 raise
         return handle
 
+    def _prepare_in_process(self, obj: Any, path: Any, format: str, metadata: Any, local: bool,
+                            storage_options: Any, extra_files: Any, layout: Any) -> ProcessSave | None:
+        """The save as a job of the writer process, or None where it stays on the thread."""
+        if self.writer != "process":
+            return None
+        is_remote, _ = paths.split(path)
+        why = ("a remote URL" if is_remote or storage_options else
+               "a collective save" if self.group is not None and not local else
+               "sharded (DTensor) state" if api.is_sharded(obj) or layout is not None else
+               "extra_files" if extra_files else None)
+        if why is None:
+            if self._writer_proc is not None and not self._writer_proc.alive:
+                # gone between saves (killed, crashed): nothing was in its hands
+                log.warning("fastpersist: the checkpoint writer process %d exited (status %s); starting another",
+                            self._writer_proc.pid, self._writer_proc.proc.poll())
+                self._writer_proc.close()
+                self._writer_proc = None
+            if self._writer_proc is None:
+                self._writer_proc = WriterProcess(self.resume_from_memory)
+            job = ProcessSave(obj, path, self._writer_proc, self.options, format=format, metadata=metadata,
+                              keep_arenas=self.max_in_flight)
+            if job.plan.file_size <= self.snapshot_budget_bytes:
+                return job
+            job.abort()
+            why = f"a checkpoint over snapshot_budget_bytes={self.snapshot_budget_bytes}"
+        if why not in self._thread_reasons:
+            self._thread_reasons.add(why)
+            log.warning("fastpersist: writer='process' takes local single-file saves; %s (%s) is written by the "
+                        "thread writer", why, path)
+        return None
+
     def _enqueue(self, prepared: SaveJob, on_commit: Callable[[str, SaveStats], None] | None,
                  t0: float) -> SaveHandle:
         """Choose the policy, do the work that belongs inside ``save()`` and queue the job."""
@@ -468,7 +524,8 @@ class AsyncCheckpointer:
         mark_ready(storages)
         small = [s for s in storages if s.length <= self.small_tensor_bytes]
         big = [s for s in storages if s.length > self.small_tensor_bytes]
-        policy = self._choose_policy(sum(s.length for s in storages))
+        in_process = isinstance(prepared, ProcessSave)
+        policy = "snapshot" if in_process else self._choose_policy(sum(s.length for s in storages))
         warm: tuple[int, bool] | None = None
         with self._cv:
             busy = bool(self._saves)  # its arena comes back when it ends
@@ -478,7 +535,8 @@ class AsyncCheckpointer:
         # flight (max_in_flight > 1): a snapshot into a fresh arena would hold the fence
         # for its page faults, while an overlap save queued behind them is copied by its
         # fence (fence_cut) as fast as memory allows, or written before the fence comes.
-        if policy == "snapshot" and self.policy == "auto" and big and (not busy or self._fence_can_copy(prepared)):
+        if (policy == "snapshot" and self.policy == "auto" and big and not in_process
+                and (not busy or self._fence_can_copy(prepared))):
             need, pin = arena_need(small + big)
             if not self._arena_ready(need, pin):
                 policy = "overlap"
@@ -487,7 +545,8 @@ class AsyncCheckpointer:
                 # and its optimizer) each need theirs by the next checkpoint
                 if not self._warm_failed and not any(n >= need and p == pin for n, p in warming):
                     warm = (need, pin)
-        self._last_policy = policy
+        if not in_process:
+            self._last_policy = policy
         arena = self._cpu_work_now(prepared, policy, small, big)
         try:
             return self._enqueue_job(prepared, policy, big, arena, on_commit, warm, t0)
@@ -499,6 +558,10 @@ class AsyncCheckpointer:
     def _enqueue_job(self, prepared: SaveJob, policy: str, big: list[StorageExtent], arena: Arena | None,
                      on_commit: Callable[[str, SaveStats], None] | None, warm: tuple[int, bool] | None,
                      t0: float) -> SaveHandle:
+        if isinstance(prepared, ProcessSave) and all(s.host is not None for s in big):
+            # every tensor was copied inside save(): hand it over now, before save() returns
+            # (the fence has nothing to wait for, and this process may die right after)
+            prepared.handoff()
         handle = SaveHandle(prepared.final)
         handle._job = prepared  # a forked child lets go of its descriptors (_forget_after_fork)
         # What the writer will read from live memory: it must not be freed meanwhile.
@@ -709,6 +772,9 @@ class AsyncCheckpointer:
                 self._thread = None
             self._remove_hook()
             self._arenas.clear()
+            if self._writer_proc is not None:
+                self._writer_proc.close()
+                self._writer_proc = None
             if self._pool is not None:
                 self._pool.shutdown()
                 self._pool = None
@@ -780,6 +846,9 @@ class AsyncCheckpointer:
         self._saves, self._finished, self._save_jobs = [], [], []
         self._warming, self._arenas = [], []
         self._current, self._thread, self._pool, self._huge_pool = None, None, None, None
+        if self._writer_proc is not None:
+            self._writer_proc.forget_after_fork()
+            self._writer_proc = None
         self._draining = False
         error = CheckpointError(f"this save was started by process {os.getppid()} before it forked; the forked "
                                 "child does not write it (the parent does)")
@@ -861,7 +930,7 @@ class AsyncCheckpointer:
             if copied:
                 # only small tensors, copied here: a new arena for them on 4 KiB pages, as the
                 # fence's (a fresh huge page faults in far slower, on the training thread)
-                arena = self._take_arena(copied, huge=False if policy != "snapshot" else None)
+                arena = self._take_arena(copied, huge=False if policy != "snapshot" else None, prepared=prepared)
                 carved = dict(zip(map(id, copied), arena.carve(copied)))
                 arena.slots = carved
                 # A new arena's first fill faults in every page (slow: see the module doc):
@@ -894,12 +963,14 @@ class AsyncCheckpointer:
             if policy == "snapshot" and big:
                 t0 = time.perf_counter()
                 if arena is None:
-                    arena = self._take_arena(big)
+                    arena = self._take_arena(big, prepared=prepared)
                     arena.slots = dict(zip(map(id, big), arena.carve(big)))
                 todo = [(s, arena.slots[id(s)]) for s in big if s.host is None]
                 try:
                     if todo:
                         snapshot_to_host([s for s, _ in todo], [b for _, b in todo])
+                    if isinstance(prepared, ProcessSave):
+                        prepared.handoff()  # before the fence opens: from here it survives this process
                     live.release(prepared.final, prepared.plan, check=not prepared.collective)
                 except Exception as e:  # noqa: BLE001 - run() raises it (after telling any peers)
                     prepared.fail(e)
@@ -961,9 +1032,11 @@ class AsyncCheckpointer:
                 if a.buf.numel() >= need and a.pin == pin and not (warm and a.fresh)]
         return min(fits)[1] if fits else None
 
-    def _take_arena(self, extents: list[StorageExtent], huge: bool | None = None) -> Arena:
+    def _take_arena(self, extents: list[StorageExtent], huge: bool | None = None, prepared: Any = None) -> Any:
         """A free arena for ``extents``, else a new one (``huge``: on huge pages; default
-        ``huge_pages``)."""
+        ``huge_pages``). A save of the writer process has its own, in shared memory."""
+        if isinstance(prepared, ProcessSave):
+            return prepared.take_arena()
         need, pin = arena_need(extents)
         with self._cv:
             i = self._free_arena(need, pin)
@@ -1016,7 +1089,9 @@ class AsyncCheckpointer:
                 return
         self._give_arena(arena)
 
-    def _give_arena(self, arena: Arena) -> None:
+    def _give_arena(self, arena: Any) -> None:
+        if not isinstance(arena, Arena):
+            return  # a shared-memory arena: its save gives it back to the writer process's pool
         arena.slots, arena.fresh = {}, False
         with self._cv:
             self._arenas.append(arena)

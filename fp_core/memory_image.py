@@ -1,0 +1,289 @@
+"""Checkpoint images in shared memory: the process writer's arenas, and resume from them.
+
+The process writer (:mod:`fp_core.process_writer`) snapshots a checkpoint into a file in
+``/dev/shm`` that the trainer and the writer both map, each tensor's copy at its offset in
+the checkpoint file. Once committed, the writer fills in the rest (zip headers, pickle,
+manifest), so the arena holds the checkpoint file byte for byte: an *image*. With
+``resume_from_memory`` the writer records, beside the image, which file it is an image of
+(device, inode, size, modification time). A trainer restarted on the same machine then
+loads from the image instead of the disk while that record still matches the file, and
+checks every byte against the checksums the file carries (:func:`find`).
+
+The images live in a directory of this user's own (``/dev/shm/fastpersist-<uid>``,
+mode 0700): ``/dev/shm`` is shared by every local user, so the directory is refused
+unless it is a real directory owned by us that nobody else can write, and every file in
+it is opened without following symlinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import stat
+from typing import Any
+
+import torch
+
+log = logging.getLogger("fastpersist")
+
+SHM_ROOT = "/dev/shm"
+IMAGE_SUFFIX = ".img"
+INDEX_SUFFIX = ".json"
+hits = 0  # loads served from an image in this process (tests and benchmarks read it)
+
+
+def directory(create: bool = True) -> str | None:
+    """This user's image directory (created 0700 when ``create``), or None where there is
+    none, or it is not safe to use (not ours, open to others, a symlink): logged once."""
+    root = os.environ.get("FASTPERSIST_SHM_DIR", SHM_ROOT)
+    path = os.path.join(root, f"fastpersist-{os.geteuid()}")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if not create:
+            return None
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create the shared-memory directory for checkpoint snapshots: "
+                          f"{e.strerror}", path) from e
+        st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path} is not a private directory of this user (a symlink, another user's, "
+                              f"or open to others: mode {stat.S_IMODE(st.st_mode):o}); the process writer "
+                              "will not put checkpoint snapshots there. Remove it, or set FASTPERSIST_SHM_DIR")
+    return path
+
+
+def _open_private(path: str, flags: int) -> int:
+    """Open a file in our directory: never through a symlink, and only a regular file of ours."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise PermissionError(f"{path} is not a regular file of this user")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class SharedArena:
+    """A snapshot arena in a shared-memory file: each copy at its offset in the checkpoint
+    file (the arena is the file's image). The same interface as :class:`fp_core.arena.Arena`."""
+
+    def __init__(self, path: str, nbytes: int, pin: bool) -> None:
+        self.path = path
+        self.pin = pin
+        self.huge_bytes = 0
+        self.slots: dict[int, torch.Tensor] = {}
+        self.fresh = True
+        fd = _open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            os.ftruncate(fd, nbytes)
+            self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self.buf = torch.frombuffer(self._map, dtype=torch.uint8)[:nbytes] if nbytes else torch.empty(0, dtype=torch.uint8)
+        self._pinned_addr = None
+        if pin:
+            from .pinned_host import _register
+
+            _register(self.buf.data_ptr(), nbytes)
+            self._pinned_addr = self.buf.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel()
+
+    def carve(self, extents: list[Any]) -> list[torch.Tensor]:
+        return [self.buf[s.offset: s.offset + s.length] for s in extents]
+
+    def holds(self, t: torch.Tensor, offset: int) -> bool:
+        """Is ``t`` this arena's bytes at ``offset``?"""
+        return t.device.type == "cpu" and t.data_ptr() == self.buf.data_ptr() + offset
+
+    def forget_image(self) -> None:
+        """The arena is about to be overwritten: it no longer holds a committed checkpoint."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(index_path(self.path))
+
+    def destroy(self) -> None:
+        """Unmap (once no tensor views it) and remove the file and its record."""
+        self.forget_image()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        if self._pinned_addr is not None:
+            from .pinned_host import _unregister
+
+            _unregister(self._pinned_addr)
+            self._pinned_addr = None
+        self.buf = torch.empty(0, dtype=torch.uint8)
+        with contextlib.suppress(BufferError):  # a tensor still views it: unmapped when that goes
+            self._map.close()
+
+
+def index_path(image: str) -> str:
+    return image[: -len(IMAGE_SUFFIX)] + INDEX_SUFFIX if image.endswith(IMAGE_SUFFIX) else image + INDEX_SUFFIX
+
+
+def map_image(path: str, size: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """The writer's view of an arena: ``size`` bytes of it, shared."""
+    fd = _open_private(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise ValueError(f"snapshot arena {path} is shorter than the {size} bytes of its checkpoint")
+        m = mmap.mmap(fd, max(size, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    return m, torch.frombuffer(m, dtype=torch.uint8)[:size]
+
+
+def _identity(st: os.stat_result) -> list[int]:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def record(image: str, final: str, target: str) -> None:
+    """After a commit: the arena ``image`` now holds the file ``target`` (saved as ``final``)."""
+    info = {"final": final, "target": target, "identity": _identity(os.stat(target)),
+            "image": os.path.basename(image)}
+    idx = index_path(image)
+    tmp = idx + ".tmp"
+    fd = _open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, json.dumps(info).encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, idx)
+
+
+def _read_index(path: str) -> dict | None:
+    try:
+        fd = _open_private(path, os.O_RDONLY)
+    except (OSError, PermissionError):
+        return None
+    try:
+        data = os.read(fd, 1 << 16)
+    finally:
+        os.close(fd)
+    try:
+        info = json.loads(data)
+    except ValueError:
+        return None
+    ok = (isinstance(info, dict) and isinstance(info.get("final"), str) and isinstance(info.get("target"), str)
+          and isinstance(info.get("image"), str) and "/" not in info["image"]
+          and info["image"].endswith(IMAGE_SUFFIX) and isinstance(info.get("identity"), list)
+          and len(info["identity"]) == 5 and all(isinstance(x, int) for x in info["identity"]))
+    return info if ok else None
+
+
+def find(path: str | os.PathLike) -> str | None:
+    """The image in shared memory of the checkpoint file at ``path``, while it holds that
+    file (same device, inode, size, modification and change times), else None."""
+    try:
+        d = directory(create=False)
+    except PermissionError as e:
+        log.warning("fastpersist: %s", e)
+        return None
+    if d is None:
+        return None
+    try:
+        target = os.path.realpath(os.fspath(path))
+        ident = _identity(os.stat(target))
+        names = os.listdir(d)
+    except OSError:
+        return None
+    for name in names:
+        if not name.endswith(INDEX_SUFFIX):
+            continue
+        info = _read_index(os.path.join(d, name))
+        if info is None or info["target"] != target or info["identity"] != ident:
+            continue
+        image = os.path.join(d, info["image"])
+        try:
+            st = os.lstat(image)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_size == ident[2]:
+            return image
+    return None
+
+
+def owner_pid(name: str) -> int | None:
+    """The trainer pid in an arena's name (``fp-<pid>-<n>.img``)."""
+    parts = name.split("-")
+    if len(parts) >= 3 and parts[0] == "fp" and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _in_use(image: str) -> bool:
+    """Does a writer process hold this arena (its trainer gone, its commit still running)?"""
+    import fcntl
+
+    try:
+        fd = _open_private(image, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def clean_stale(d: str, superseded_dir: str | None = None) -> None:
+    """Remove arenas of trainers that are gone and hold no committed image; with
+    ``superseded_dir``, also images of gone trainers' checkpoints in that directory (a
+    newer checkpoint has been committed there: a restart would not resume from them)."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return
+    for name in names:
+        pid = owner_pid(name)
+        if pid is None or pid == os.getpid() or _alive(pid):
+            continue
+        full = os.path.join(d, name)
+        if name.endswith(INDEX_SUFFIX):
+            info = _read_index(full)
+            image = os.path.join(d, info["image"]) if info else None
+            stale = info is None or not os.path.exists(image) or (
+                superseded_dir is not None and os.path.dirname(info["final"]) == superseded_dir)
+            if not stale:
+                try:
+                    stale = _identity(os.stat(info["target"])) != info["identity"]
+                except OSError:
+                    stale = True
+            if stale:
+                for p in (full, image):
+                    if p:
+                        with contextlib.suppress(OSError):
+                            os.unlink(p)
+        elif name.endswith(IMAGE_SUFFIX) and not os.path.exists(index_path(full)) and not _in_use(full):
+            with contextlib.suppress(OSError):
+                os.unlink(full)
+        elif name.endswith(".tmp"):
+            with contextlib.suppress(OSError):
+                os.unlink(full)

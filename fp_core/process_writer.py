@@ -1,0 +1,317 @@
+"""The writer in a process of its own: a checkpoint whose snapshot was taken outlives its trainer.
+
+``AsyncCheckpointer(writer="process")`` starts one writer process per training process
+(one per rank: each rank's checkpoints and arenas are its own, and a rank that dies takes
+no other rank's writes with it). It is started once, at the first save, and stays.
+
+A save is prepared on the trainer as every save is (the object pickled, the file laid
+out), then snapshotted into a shared-memory arena (:class:`fp_core.memory_image.SharedArena`,
+each copy at its offset in the file). Before the fence opens, the trainer hands the
+writer the layout and the arena's name (:meth:`ProcessSave.handoff`): from then on the
+checkpoint no longer depends on the trainer. The writer writes the file with the native
+engine, checksums, commits, and reports back; the trainer's background thread only waits
+for that report, so the writer shares no GIL with training.
+
+The writer learns that its trainer is gone from its socket and a pidfd, not by polling
+(:mod:`fp_core.writer_main`): it then writes what it was handed, in order, and exits. It
+runs in a session of its own, so a launcher that kills its workers' process group
+(torchrun after a failure) does not kill it mid-commit; its standard streams are not the
+trainer's, so nothing waiting for the trainer's output waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+from . import commit, errors, memory_image
+from .engine import EngineOptions
+from .errors import CheckpointError, CheckpointSerializationError
+from .plan import FilePlan, build
+from .safetensors_plan import build_safetensors
+from .stats import SaveStats
+from .writer import copy_to_host
+
+log = logging.getLogger("fastpersist")
+
+ALIGNMENT = 4096  # the layout's block size (the engine's O_DIRECT alignment divides it)
+WRITERS = ("thread", "process")
+
+
+class WriterProcessError(CheckpointError):
+    """The writer process is gone (killed, crashed), or could not be started."""
+
+
+class WriterProcess:
+    """The trainer's end of one writer process: start, hand jobs over, collect results."""
+
+    def __init__(self, resume_from_memory: bool = False) -> None:
+        self.resume_from_memory = resume_from_memory
+        self.dir = memory_image.directory()
+        memory_image.clean_stale(self.dir)
+        self._seq = itertools.count()
+        self._send_lock = threading.Lock()
+        self._results: dict[int, tuple] = {}
+        self._free: list[memory_image.SharedArena] = []  # arenas not in use, the last image first
+        self._all: weakref.WeakSet = weakref.WeakSet()
+        self._names = itertools.count()
+        self._pid = os.getpid()
+        self._stderr = tempfile.TemporaryFile()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env.setdefault("OMP_NUM_THREADS", "1")  # it copies nothing with torch ops: no thread pool
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "fp_core.writer_main", str(theirs.fileno()), str(os.getpid()),
+                 "1" if resume_from_memory else "0"],
+                pass_fds=[theirs.fileno()], start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=self._stderr, env=env, cwd=os.getcwd())
+        except OSError as e:
+            ours.close()
+            raise WriterProcessError(f"cannot start the checkpoint writer process: {e}") from e
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.pid = self.proc.pid
+        self._gone: str | None = None
+        self.superseded_cleaned = False
+
+    # ------------------------------------------------------------------ jobs
+    def next_seq(self) -> int:
+        return next(self._seq)
+
+    def send(self, msg: tuple) -> None:
+        if self._gone is not None:
+            raise WriterProcessError(self._gone)
+        try:
+            with self._send_lock:
+                self.conn.send(msg)
+        except OSError as e:
+            self._died(f"sending to it failed: {e}")
+            raise WriterProcessError(self._gone) from e
+
+    def skip(self, seq: int) -> None:
+        """Job ``seq`` will never come (it failed before its hand-over): the writer goes on."""
+        with contextlib.suppress(WriterProcessError):
+            self.send(("skip", seq))
+
+    def result(self, seq: int) -> tuple:
+        """Wait for job ``seq``'s report (called by one thread: the pipeline's worker)."""
+        while seq not in self._results:
+            if self._gone is not None:
+                raise WriterProcessError(self._gone)
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError) as e:
+                self._died(f"it exited before reporting ({type(e).__name__})")
+                raise WriterProcessError(self._gone) from e
+            if msg[0] in ("done", "failed"):
+                self._results[msg[1]] = msg
+        return self._results.pop(seq)
+
+    def _died(self, why: str) -> None:
+        status = self.proc.poll()
+        if status is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                status = self.proc.wait(timeout=5)
+        err = ""
+        with contextlib.suppress(OSError):
+            self._stderr.seek(0)
+            err = self._stderr.read()[-2000:].decode(errors="replace").strip()
+        said = f"; it said: {err}" if err else ""
+        self._gone = (f"the checkpoint writer process (pid {self.pid}) is gone: {why}, exit status {status}{said}")
+
+    @property
+    def alive(self) -> bool:
+        return self._gone is None and self.proc.poll() is None
+
+    # ------------------------------------------------------------------ arenas
+    def take_arena(self, nbytes: int, pin: bool) -> memory_image.SharedArena:
+        """An arena of exactly ``nbytes`` (the file's size: it becomes its image): a free one
+        of that size (its image, if any, forgotten first), else a new one."""
+        for i, a in enumerate(self._free):
+            if a.nbytes == nbytes and a.pin == pin:
+                del self._free[i]
+                a.forget_image()
+                return a
+        name = f"fp-{self._pid}-{next(self._names)}{memory_image.IMAGE_SUFFIX}"
+        a = memory_image.SharedArena(os.path.join(self.dir, name), nbytes, pin)
+        self._all.add(a)
+        return a
+
+    def give_arena(self, arena: memory_image.SharedArena, keep: int) -> None:
+        """Back to the pool, first in line (it holds the newest image); at most ``keep``."""
+        arena.slots = {}
+        self._free.insert(0, arena)
+        for old in self._free[keep:]:
+            old.destroy()
+        del self._free[keep:]
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the writer (after the jobs it holds) and remove every arena of ours."""
+        with contextlib.suppress(WriterProcessError):
+            self.send(("close",))
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            log.error("fastpersist: the checkpoint writer process %d did not stop in %.0f s; killing it",
+                      self.pid, timeout)
+            self.proc.kill()
+            self.proc.wait()
+        self._gone = self._gone or "closed"
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        for a in [*self._free, *self._all]:
+            a.destroy()
+        self._free.clear()
+        with contextlib.suppress(OSError):
+            self._stderr.close()
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the socket and the arenas are the parent's."""
+        with contextlib.suppress(OSError):
+            os.close(self.conn.fileno())  # not conn.close(): nothing of the parent's is sent or shut
+        self._gone = "this is a forked child of the process that started the writer"
+        self._free.clear()
+        self._all = weakref.WeakSet()
+
+
+def _wire_error(msg: tuple) -> BaseException:
+    """The writer's report of a failure, as the exception it raised there."""
+    info = msg[2]
+    kind, text = info.get("type", "Error"), info.get("message", "")
+    err: BaseException
+    if info.get("errno") is not None:
+        err = OSError(info["errno"], info.get("strerror") or text, info.get("filename"))
+    elif isinstance(getattr(errors, kind, None), type) and issubclass(getattr(errors, kind), CheckpointError):
+        err = getattr(errors, kind)(text)
+    else:
+        err = CheckpointError(f"{kind}: {text}")
+    if info.get("traceback"):
+        err.add_note("in the checkpoint writer process:\n" + info["traceback"])
+    return err
+
+
+class ProcessSave:
+    """A local save written by the writer process (a SaveJob; see :mod:`fp_core.job`)."""
+
+    collective = False
+
+    def __init__(self, obj: Any, path: str | os.PathLike, writer: WriterProcess, options: EngineOptions,
+                 format: str = "torch", metadata: dict[str, str] | None = None, keep_arenas: int = 1) -> None:
+        t0 = time.perf_counter()
+        self.writer, self.options, self.keep_arenas = writer, options, keep_arenas
+        self.final = os.path.abspath(os.fspath(path))
+        self.target = commit.check_target(os.fspath(path))
+        self.stats = SaveStats(path=self.final)
+        try:
+            self.plan: FilePlan = (build(obj, ALIGNMENT) if format == "torch"
+                                   else build_safetensors(obj, ALIGNMENT, metadata))
+        except (OSError, MemoryError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            raise CheckpointSerializationError(
+                f"cannot serialise the checkpoint for {self.final}: {type(e).__name__}: {e}") from e
+        self.stats.serialize_seconds = self.plan.serialize_seconds = time.perf_counter() - t0
+        self.seq = writer.next_seq()
+        self.arena: memory_image.SharedArena | None = None
+        self.handed = False
+        self._failed: BaseException | None = None
+        self._t0 = t0
+
+    def take_arena(self) -> memory_image.SharedArena:
+        if self.arena is None:
+            pin = any(s.source.device.type == "cuda" for s in self.plan.storages)
+            self.arena = self.writer.take_arena(self.plan.file_size, pin)
+        return self.arena
+
+    def handoff(self) -> None:
+        """Every tensor's bytes into the arena (those not snapshotted there: small tensors
+        copied at save time), then the job to the writer. From here it commits even if this
+        process dies."""
+        if self.handed:
+            return
+        arena = self.take_arena()
+        todo = [s for s in self.plan.storages if s.host is None or not arena.holds(s.host, s.offset)]
+        if todo:
+            slots = arena.carve(todo)
+            device = [(s, b) for s, b in zip(todo, slots) if s.host is None and s.source.device.type != "cpu"]
+            for s, b in zip(todo, slots):
+                if s.host is not None or s.source.device.type == "cpu":
+                    b.copy_(s.data)
+                    s.host, s.host_crcs = b, None
+            if device:
+                copy_to_host([s for s, _ in device], into=[b for _, b in device])
+        spec = {
+            "final": self.final, "path": self.final, "image": arena.path, "size": self.plan.file_size,
+            "options": dataclasses.asdict(self.options),
+            "plan": _plan_for_wire(self.plan),
+        }
+        self.writer.send(("job", self.seq, spec))
+        self.handed = True
+
+    def run(self, on_body_written: Any = None) -> SaveStats:
+        try:
+            if self._failed is not None:
+                raise self._failed
+            self.handoff()
+            if on_body_written is not None:
+                on_body_written()  # nothing of the trainer's memory is read from here on
+            msg = self.writer.result(self.seq)
+        except BaseException:
+            self.abort()
+            raise
+        arena, self.arena = self.arena, None
+        if msg[0] == "failed":
+            self.writer.give_arena(arena, self.keep_arenas)
+            raise _wire_error(msg)
+        self.writer.give_arena(arena, self.keep_arenas)
+        if self.writer.resume_from_memory and not self.writer.superseded_cleaned:
+            # images a killed run left for its restart: this run has saved newer checkpoints
+            self.writer.superseded_cleaned = True
+            memory_image.clean_stale(self.writer.dir, superseded_dir=os.path.dirname(self.final))
+        stats = SaveStats(**{k: v for k, v in msg[2].items() if k != "gbps"})
+        stats.path = self.final
+        stats.serialize_seconds = self.stats.serialize_seconds
+        stats.policy, stats.blocked_seconds = self.stats.policy, self.stats.blocked_seconds
+        stats.extra = {**self.stats.extra, **stats.extra, "writer": "process"}
+        stats.seconds = time.perf_counter() - self._t0
+        self.stats = stats
+        return stats
+
+    def fail(self, error: BaseException) -> None:
+        self._failed = error
+
+    def abort(self) -> None:
+        if not self.handed:
+            self.handed = True  # one skip
+            self.writer.skip(self.seq)
+        if self.arena is not None:
+            arena, self.arena = self.arena, None
+            arena.forget_image()
+            self.writer.give_arena(arena, self.keep_arenas)
+
+
+def _plan_for_wire(plan: FilePlan) -> FilePlan:
+    """The plan without tensors: each extent's bytes are in the arena at its offset."""
+    wire = dataclasses.replace(plan, storages=[], cut=None)
+    wire.storages = [(s.offset, s.length, s.record, s.record_start, s.host_crcs) for s in plan.storages]
+    return wire
+
+
+__all__ = ["WriterProcess", "ProcessSave", "WriterProcessError", "WRITERS"]

@@ -1,0 +1,203 @@
+"""The writer process's main loop (``python -m fp_core.writer_main SOCKET_FD TRAINER_PID RESUME``).
+
+It receives jobs from its trainer (:mod:`fp_core.process_writer`) on a receiving thread,
+so a hand-over never waits for a write in progress, and runs them in the order they were
+prepared (a job that failed before its hand-over arrives as a ``skip``). Each job is a
+layout and the shared-memory arena holding its bytes: written with the native engine,
+checksummed, committed, then the arena's remaining bytes (headers, pickle, manifest)
+filled in so it is an image of the file, recorded for resume when asked.
+
+The trainer is gone when its socket reaches end-of-file or its pidfd becomes readable
+(watched together, no polling). Everything handed over is then written, in order, and the
+process exits: it never outlives its last commit.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import select
+import signal
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+GONE = ("gone",)
+
+
+def _receive(conn: Connection, trainer_pid: int, inbox: queue.Queue) -> None:
+    try:
+        pidfd = os.pidfd_open(trainer_pid)
+    except (ProcessLookupError, OSError):
+        pidfd = None
+    if pidfd is not None and os.getppid() != trainer_pid:  # it died before this started: pid reused?
+        os.close(pidfd)
+        pidfd = None
+    watch = [conn.fileno()] + ([pidfd] if pidfd is not None else [])
+    try:
+        while True:
+            ready, _, _ = select.select(watch, [], [])
+            if conn.fileno() in ready:
+                try:
+                    inbox.put(conn.recv())
+                except (EOFError, OSError):
+                    break
+                continue
+            # the trainer exited: what it sent before is in the socket; take all of it
+            try:
+                while conn.poll(0):
+                    inbox.put(conn.recv())
+            except (EOFError, OSError):
+                pass
+            break
+    finally:
+        inbox.put(GONE)
+
+
+def _image_rest(plan: Any, view: Any) -> None:
+    """Make the arena the file's image: zeros where the file has none of its bytes from the
+    arena, then the skeleton's bytes (zip headers, pickle, finished manifest)."""
+    import torch
+
+    pos = 0
+    for off, n, *_ in sorted((s.offset, s.length) for s in plan.storages):
+        if off > pos:
+            view[pos:off].zero_()
+        pos = max(pos, off + n)
+    if pos < view.numel():
+        view[pos:].zero_()
+    sk = plan.skeleton
+    for start, seg in zip(sk._starts, sk._segs):
+        end = min(start + len(seg), view.numel())
+        if end > start:
+            view[start:end].copy_(torch.frombuffer(memoryview(seg)[: end - start], dtype=torch.uint8))
+
+
+def _run(spec: dict, resume: bool) -> dict:
+    import fcntl
+
+    from fp_core import memory_image
+    from fp_core.engine import EngineOptions
+    from fp_core.local import LocalSave
+    from fp_core.plan import StorageExtent
+
+    m, view = memory_image.map_image(spec["image"], spec["size"])
+    lock = os.open(spec["image"], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fcntl.flock(lock, fcntl.LOCK_SH)  # a clean-up elsewhere leaves an arena in use alone
+    try:
+        plan = spec["plan"]
+        plan.storages = [StorageExtent(off, n, view[off: off + n], rec, host_crcs=crcs, record_start=rs)
+                         for off, n, rec, rs, crcs in plan.storages]
+        job = LocalSave.from_plan(plan, spec["path"], EngineOptions(**spec["options"]))
+        stats = job.run()
+        _image_rest(plan, view)
+        if resume:
+            try:
+                memory_image.record(spec["image"], spec["final"], job.target)
+            except OSError as e:  # the file is committed; only the resume from memory is lost
+                stats.extra["memory_image_error"] = str(e)
+        return stats.as_dict()
+    finally:
+        del view
+        try:
+            m.close()
+        except BufferError:
+            pass
+        os.close(lock)
+
+
+def _failure(e: BaseException) -> dict:
+    info: dict[str, Any] = {"type": type(e).__name__, "message": str(e),
+                            "traceback": "".join(traceback.format_exception(e))[-4000:]}
+    if isinstance(e, OSError) and e.errno is not None:
+        info.update(errno=e.errno, strerror=e.strerror, filename=e.filename)
+    return info
+
+
+def _leave(arenas: set[str], resume: bool) -> None:
+    """The trainer is gone and every job it handed over is done: remove its arenas, but for
+    committed images kept for a restart (``resume``)."""
+    from fp_core import memory_image
+
+    for image in arenas:
+        if resume and os.path.exists(memory_image.index_path(image)):
+            continue
+        try:
+            os.unlink(image)
+        except OSError:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    sock_fd, trainer_pid, resume = int(argv[0]), int(argv[1]), argv[2] == "1"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the trainer's to handle
+    conn = Connection(sock_fd)
+    inbox: queue.Queue = queue.Queue()
+    stopping = threading.Event()
+
+    def on_term(signum: int, frame: Any) -> None:  # finish what is held, then exit
+        stopping.set()
+        inbox.put(("close",))
+
+    signal.signal(signal.SIGTERM, on_term)
+    fault = os.environ.get("FASTPERSIST_WRITER_TEST_FAULT")  # "kind:errno": the tests' native fault
+    if fault:
+        from fp_core import _native
+
+        kind, _, err = fault.partition(":")
+        _native.inject_fault(kind, errno=int(err) if err else None)
+    threading.Thread(target=_receive, args=(conn, trainer_pid, inbox), daemon=True).start()
+    import torch  # noqa: F401 - loaded while the first job is still being prepared
+
+    held: dict[int, Any] = {}
+    arenas: set[str] = set()  # every arena a job named: removed when the trainer is gone
+    next_seq = 0
+    trainer_here = True
+    closing = False
+    while True:
+        while next_seq in held or (closing and held):
+            if next_seq not in held:  # a job that never came (its trainer died first)
+                next_seq = min(held)
+            kind, spec = held.pop(next_seq)
+            seq, next_seq = next_seq, next_seq + 1
+            if kind == "skip":
+                continue
+            try:
+                report = ("done", seq, _run(spec, resume))
+            except BaseException as e:  # noqa: BLE001 - reported to the trainer, never dropped
+                report = ("failed", seq, _failure(e))
+            if trainer_here:
+                try:
+                    conn.send(report)
+                except OSError:
+                    trainer_here = False
+        if closing:
+            if not trainer_here:
+                _leave(arenas, resume)
+            return 0
+        msg = inbox.get()
+        if msg == GONE:
+            trainer_here, closing = False, True
+        elif msg[0] == "close":
+            closing = True
+        elif msg[0] in ("job", "skip"):
+            held[msg[1]] = (msg[0], msg[2] if msg[0] == "job" else None)
+            if msg[0] == "job":
+                arenas.add(msg[2]["image"])
+        if closing:
+            # a job sent just before the trainer closed or died is already in the inbox
+            while True:
+                try:
+                    more = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more[0] in ("job", "skip"):
+                    held[more[1]] = (more[0], more[2] if more[0] == "job" else None)
+                    if more[0] == "job":
+                        arenas.add(more[2]["image"])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

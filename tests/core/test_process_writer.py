@@ -1,0 +1,285 @@
+"""AsyncCheckpointer(writer="process"): the writer in its own process, snapshots in shared
+memory, a checkpoint that survives its trainer, and resume from memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+from conftest import HELPERS, assert_no_temps
+
+import fp_core
+from fp_core import AsyncCheckpointer, AsyncCheckpointError, memory_image
+
+sys.path.insert(0, HELPERS)
+from process_writer_victim import check, wait_gone  # noqa: E402
+
+VICTIM = os.path.join(HELPERS, "process_writer_victim.py")
+
+
+@pytest.fixture
+def shm_root(monkeypatch):
+    """A shared-memory root of the test's own (the writer process inherits it)."""
+    d = os.path.join("/dev/shm", "fp-pw-" + uuid.uuid4().hex[:8])
+    os.mkdir(d)
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _images(root: str) -> list[str]:
+    d = os.path.join(root, f"fastpersist-{os.geteuid()}")
+    return sorted(os.listdir(d)) if os.path.isdir(d) else []
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(600, 1000, generator=g)
+    return {"model": {"w": w, "wt": w.t(), "b": torch.randn(3, generator=g), "i": torch.arange(7)},
+            "optim": {"step": torch.tensor(5.0), "m": torch.randn(300_000, generator=g).to(torch.bfloat16)},
+            "meta": ["x", 3, {"lr": 0.1}]}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_round_trip_and_the_image_is_the_file(disk_dir, shm_root):
+    path = os.path.join(disk_dir, "ck.pt")
+    with AsyncCheckpointer(writer="process", resume_from_memory=True) as ck:
+        for seed in range(2):  # the second save reuses the arena (its image forgotten first)
+            st = _state(seed)
+            stats = ck.save(st, path).result()
+            assert stats.extra["writer"] == "process" and stats.policy == "snapshot"
+            out = torch.load(path, weights_only=True)
+            assert _equal(out, st)
+            fp_core.verify(path)
+            image = memory_image.find(path)
+            assert image is not None
+            with open(image, "rb") as a, open(path, "rb") as b:
+                assert a.read() == b.read()
+        writer = ck._writer_proc.pid
+        st = {"a": torch.randn(1000), "b": torch.arange(10)}
+        ck.save(st, os.path.join(disk_dir, "m.safetensors"), format="safetensors").result()
+    from safetensors.torch import load_file
+
+    assert _equal(load_file(os.path.join(disk_dir, "m.safetensors")), st)
+    assert wait_gone(writer, 10), "the writer process outlived close()"
+    assert _images(shm_root) == []  # close() removes every arena and image
+    assert_no_temps(disk_dir)
+
+
+def test_the_checkpoint_is_the_state_at_save_while_steps_go_on(disk_dir, shm_root):
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with AsyncCheckpointer(writer="process") as ck:
+        for step in range(4):
+            want = {k: v.clone() for k, v in model.state_dict().items()}
+            ck.save(model.state_dict(), os.path.join(disk_dir, f"s{step}.pt"))
+            model(torch.randn(4, 512)).sum().backward()
+            opt.step()  # the installed hook fences first
+            opt.zero_grad()
+            want_path = os.path.join(disk_dir, f"s{step}.pt")
+            ck.wait_for(want_path)
+            assert _equal(torch.load(want_path, weights_only=True), want)
+
+
+def test_a_write_error_in_the_writer_is_raised_once_and_the_old_file_kept(disk_dir, shm_root, monkeypatch):
+    monkeypatch.setenv("FASTPERSIST_WRITER_TEST_FAULT", "write:5")  # the writer's first write fails: EIO
+    path = os.path.join(disk_dir, "ck.pt")
+    torch.save({"old": torch.arange(5)}, path)
+    before = open(path, "rb").read()
+    ck = AsyncCheckpointer(writer="process")
+    try:
+        h = ck.save(_state(), path)
+        h._done.wait(60)
+        with pytest.raises(AsyncCheckpointError) as ei:
+            ck.fence()
+        cause = ei.value.__cause__
+        assert isinstance(cause, OSError) and cause.errno == 5 and path in str(cause), repr(cause)
+        assert "in the checkpoint writer process" in "".join(getattr(cause, "__notes__", []))
+        assert open(path, "rb").read() == before
+        ck.fence()  # raised once
+        ck.save(_state(1), path).result()  # the fault was one-shot: the same writer goes on
+        assert _equal(torch.load(path, weights_only=True), _state(1))
+    finally:
+        ck.close()
+    assert_no_temps(disk_dir)
+
+
+def test_bad_paths_fail_in_save_itself(disk_dir, shm_root):
+    with AsyncCheckpointer(writer="process") as ck:
+        with pytest.raises((OSError, fp_core.CheckpointError)) as ei:
+            ck.save(_state(), os.path.join(disk_dir, "missing", "ck.pt"))
+        assert "missing" in str(ei.value)
+        with pytest.raises(fp_core.CheckpointSerializationError):
+            ck.save({"f": lambda: 1}, os.path.join(disk_dir, "x.pt"))
+        ck.save(_state(), os.path.join(disk_dir, "ok.pt")).result()  # the skipped jobs do not stall it
+    assert not os.path.exists(os.path.join(disk_dir, "x.pt"))
+
+
+def test_a_writer_killed_mid_save_fails_that_save_and_the_next_starts_another(disk_dir, shm_root, monkeypatch,
+                                                                               caplog):
+    monkeypatch.setenv("FASTPERSIST_WRITER_TEST_FAULT", "kill_before_rename")  # SIGKILL in its first commit
+    torch.save({"old": torch.arange(3)}, os.path.join(disk_dir, "a.pt"))  # replaced: link, then rename
+    before = open(os.path.join(disk_dir, "a.pt"), "rb").read()
+    with AsyncCheckpointer(writer="process") as ck:
+        h = ck.save(_state(), os.path.join(disk_dir, "a.pt"))
+        first = ck._writer_proc.pid
+        with pytest.raises(AsyncCheckpointError) as ei:
+            h.result(60)
+        assert f"writer process (pid {first}) is gone" in str(ei.value) and "-9" in str(ei.value)
+        assert open(os.path.join(disk_dir, "a.pt"), "rb").read() == before
+        monkeypatch.delenv("FASTPERSIST_WRITER_TEST_FAULT")
+        ck.fence()  # h.result() reported it: not raised again
+        ck.save(_state(2), os.path.join(disk_dir, "c.pt")).result()
+        second = ck._writer_proc.pid
+        assert second != first
+        os.kill(second, signal.SIGKILL)  # between saves: the next one starts a third, says so
+        assert wait_gone(second, 10)
+        ck.save(_state(3), os.path.join(disk_dir, "d.pt")).result()
+        assert f"writer process {second} exited" in caplog.text
+        assert _equal(torch.load(os.path.join(disk_dir, "d.pt"), weights_only=True), _state(3))
+    fp_core.clean(disk_dir)  # the killed writer's file under its temporary name (its pid is gone)
+    assert_no_temps(disk_dir)
+
+
+def test_saves_it_cannot_take_stay_on_the_thread_and_say_so(disk_dir, shm_root, caplog):
+    caplog.set_level(logging.WARNING, "fastpersist")
+    with AsyncCheckpointer(writer="process", snapshot_budget_bytes=1 << 20) as ck:
+        st = _state()
+        stats = ck.save(st, os.path.join(disk_dir, "big.pt")).result()
+        assert "writer" not in stats.extra
+        assert _equal(torch.load(os.path.join(disk_dir, "big.pt"), weights_only=True), st)
+    assert "snapshot_budget_bytes" in caplog.text and "thread writer" in caplog.text
+
+
+def _victim(directory: str, writer: str, when: str, delay_ms: float, mib: int = 64) -> int:
+    """Run the victim; return the generation ``ckpt.pt`` holds once its writer is gone."""
+    r = subprocess.run([sys.executable, VICTIM, directory, writer, when, str(delay_ms), str(mib)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    pid = int(open(os.path.join(directory, "writer.pid")).read())
+    assert wait_gone(pid, 60), "the orphaned writer did not finish"
+    return check(os.path.join(directory, "ckpt.pt"))
+
+
+@pytest.mark.parametrize("delay_ms", [0, 30])
+def test_a_trainer_killed_after_the_fence_still_commits(disk_dir, shm_root, delay_ms):
+    assert _victim(disk_dir, "process", "after-fence", delay_ms) == 2
+    assert_no_temps(disk_dir)
+    assert _images(shm_root) == []  # without resume_from_memory the orphan leaves nothing
+
+
+def test_a_trainer_killed_in_its_snapshot_keeps_the_previous_checkpoint(disk_dir, shm_root):
+    for delay in (1, 15):
+        assert _victim(disk_dir, "process", "in-snapshot", delay, mib=128) in (1, 2)
+    assert_no_temps(disk_dir)
+
+
+def test_resume_from_memory_checks_and_falls_back_to_disk(disk_dir, shm_root, caplog):
+    caplog.set_level(logging.INFO, "fastpersist")
+    path = os.path.join(disk_dir, "ck.pt")
+    # a trainer that saves and is then killed: its image stays for the restart
+    script = os.path.join(disk_dir, "saver.py")
+    with open(script, "w") as f:
+        f.write("import os, signal, sys, torch\n"
+                f"sys.path.insert(0, {os.path.dirname(HELPERS)!r}); sys.path.insert(0, {HELPERS!r})\n"
+                "import fp_core\n"
+                "torch.manual_seed(0)\n"
+                "from test_pw_state import state\n"
+                "ck = fp_core.AsyncCheckpointer(writer='process', resume_from_memory=True)\n"
+                f"ck.save(state(), {path!r}); ck.wait()\n"
+                "os.kill(os.getpid(), signal.SIGKILL)\n")
+    with open(os.path.join(disk_dir, "test_pw_state.py"), "w") as f:
+        f.write("import torch\n"
+                "def state():\n"
+                "    g = torch.Generator().manual_seed(0)\n"
+                "    return {'w': torch.randn(600, 1000, generator=g), 'n': torch.arange(9)}\n")
+    sys.path.insert(0, disk_dir)
+    try:
+        from test_pw_state import state
+    finally:
+        sys.path.remove(disk_dir)
+    st = state()
+    env = dict(os.environ, PYTHONPATH=disk_dir)
+    r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    image = memory_image.find(path)
+    assert image is not None, _images(shm_root)
+    hits = memory_image.hits
+    assert _equal(fp_core.load(path, weights_only=True), st)
+    assert memory_image.hits == hits + 1 and "shared-memory image" in caplog.text
+    target = {"w": torch.zeros(600, 1000), "n": torch.zeros(9, dtype=torch.long)}
+    fp_core.load_into(target, path)
+    assert memory_image.hits == hits + 2 and _equal(target, st)
+    # a damaged image: the load says so and reads the disk
+    with open(image, "r+b") as f:
+        f.seek(os.path.getsize(image) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    caplog.clear()
+    assert _equal(fp_core.load(path, weights_only=True), st)
+    assert memory_image.hits == hits + 2 and "loading from disk" in caplog.text
+    # the file replaced by another writer: the image no longer holds it
+    torch.save({"other": torch.ones(2)}, path)
+    assert memory_image.find(path) is None
+    assert _equal(fp_core.load(path, weights_only=True), {"other": torch.ones(2)})
+    # the next run's clean-up removes the stale image (its trainer is gone, its file changed)
+    memory_image.clean_stale(memory_image.directory())
+    assert _images(shm_root) == []
+
+
+@pytest.mark.parametrize("kind", ["open", "symlink"])
+def test_a_shared_memory_directory_that_is_not_private_is_refused(disk_dir, shm_root, kind):
+    d = os.path.join(shm_root, f"fastpersist-{os.geteuid()}")
+    if kind == "open":
+        os.mkdir(d)
+        os.chmod(d, 0o777)
+    else:
+        other = os.path.join(shm_root, "elsewhere")
+        os.mkdir(other, 0o700)
+        os.symlink(other, d)
+    with AsyncCheckpointer(writer="process") as ck:
+        with pytest.raises(PermissionError) as ei:
+            ck.save(_state(), os.path.join(disk_dir, "ck.pt"))
+        assert d in str(ei.value) and "FASTPERSIST_SHM_DIR" in str(ei.value)
+    assert not os.path.exists(os.path.join(disk_dir, "ck.pt"))
+    assert memory_image.find(os.path.join(disk_dir, "ck.pt")) is None
+
+
+def test_no_writer_is_left_after_an_exception_or_a_plain_exit(disk_dir, shm_root):
+    code = ("import os, sys, torch\n"
+            f"sys.path.insert(0, {os.path.dirname(HELPERS)!r})\n"
+            "import fp_core\n"
+            "ck = fp_core.AsyncCheckpointer(writer='process')\n"
+            f"ck.save({{'w': torch.ones(1 << 20)}}, {os.path.join(disk_dir, 'a.pt')!r})\n"
+            "print(ck._writer_proc.pid, flush=True)\n"
+            "if sys.argv[1] == 'raise':\n"
+            "    raise RuntimeError('training failed')\n")
+    for how in ("raise", "exit"):
+        r = subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True, timeout=120)
+        assert r.returncode == (1 if how == "raise" else 0), r.stderr[-2000:]
+        pid = int(r.stdout.split()[0])
+        assert wait_gone(pid, 10), f"writer {pid} outlived its trainer's {how}"
+        assert check_torch(os.path.join(disk_dir, "a.pt"))
+    assert _images(shm_root) == []
+
+
+def check_torch(path: str) -> bool:
+    fp_core.verify(path)
+    return bool((torch.load(path, weights_only=True)["w"] == 1).all())
