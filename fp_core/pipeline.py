@@ -505,8 +505,10 @@ class AsyncCheckpointer:
                 self._writer_proc = None
             if self._writer_proc is None:
                 self._writer_proc = WriterProcess(self.resume_from_memory)
+            # arenas kept for the next saves: one per file of a checkpoint in flight (an HF
+            # checkpoint is several files), not one per save an adapter lets queue
             job = ProcessSave(obj, path, self._writer_proc, self.options, format=format, metadata=metadata,
-                              keep_arenas=self.max_in_flight)
+                              keep_arenas=min(self.max_in_flight, 8))
             if job.plan.file_size <= self.snapshot_budget_bytes:
                 return job
             job.abort()

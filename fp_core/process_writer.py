@@ -155,7 +155,7 @@ class WriterProcess:
 
     def give_arena(self, arena: memory_image.SharedArena, keep: int) -> None:
         """Back to the pool, first in line (it holds the newest image); at most ``keep``."""
-        arena.slots = {}
+        arena.slots, arena.fresh = {}, False  # its pages are in: later copies run at memory speed
         self._free.insert(0, arena)
         for old in self._free[keep:]:
             old.destroy()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fp_core import AsyncCheckpointer, CheckpointError, EngineOptions
-from fp_core.pipeline import POLICIES
+from fp_core.pipeline import POLICIES, WRITERS
 
 log = logging.getLogger("fastpersist")
 
@@ -72,6 +72,11 @@ def checkpointer_options(options: dict[str, Any], policy: str = "auto") -> tuple
         raise TypeError(f"unknown FastPersist options {sorted(unknown)} (engine options: "
                         f"{sorted(EngineOptions.__dataclass_fields__)}; checkpointer options: "
                         f"{sorted(_CHECKPOINTER_OPTIONS)})")
+    writer = rest.get("writer", "thread")
+    if writer not in WRITERS:
+        raise ValueError(f"writer must be one of {WRITERS}, not {writer!r}")
+    if rest.get("resume_from_memory") and writer != "process":
+        raise ValueError("resume_from_memory needs writer='process'")
     return {k: getattr(engine, k) for k in options if k in EngineOptions.__dataclass_fields__}, rest
 
 

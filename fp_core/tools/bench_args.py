@@ -25,7 +25,8 @@ ALL_ROWS = SAVE_ROWS + LOAD_ROWS
 # The training benchmark's modes (fp_core.tools.bench_async), in run order inside a round (each
 # mode between two no-checkpoint runs): the fp_core modes first, the modes that leave dirty page
 # cache behind (torch.save without O_DIRECT) last.
-MODES = ("none", "disk", "auto", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "overlap_huge", "torch", "lightning", "dcp")
+MODES = ("none", "disk", "auto", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "overlap_huge", "process", "torch",
+         "lightning", "dcp")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # --dtype: torch.<name>
 
 # The engine options both benchmarks pass on to fp_core (--backend ... --io-threads).
@@ -104,6 +105,9 @@ def add_async_arguments(parser: argparse.ArgumentParser) -> None:
                    help="rounds; each runs every mode once, slowdowns are per-round medians (default 2)")
     g.add_argument("--width", type=int, default=3072, help="MLP width (default 3072)")
     g.add_argument("--layers", type=int, default=10, help="MLP layers (default 10: ~94M params, 1.1 GB ckpt)")
+    g.add_argument("--python-ops", type=int, default=0,
+                   help="a Python-heavy step: also run this many small tensor ops per step, each a Python "
+                        "call holding the GIL (where a writer thread in the same process competes)")
     g.add_argument("--batch", type=int, help="batch size (default: chosen so one step takes --compute-ms)")
     g.add_argument("--compute-ms", type=float, default=2000.0,
                    help="target compute per iteration, forward+backward+step (default 2000)")

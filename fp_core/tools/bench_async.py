@@ -21,6 +21,9 @@ checkpoint after every optimizer step, with each of these side by side in one pr
 * ``overlap_huge``  overlap with ``collapse_live_tensors=True``: the live tensors are
                  moved onto huge pages once (in the first round; they stay there, so it
                  runs only beside ``none`` and ``disk``; compare with another run)
+* ``process``    AsyncCheckpointer(policy='snapshot', writer='process'): the writer in a
+                 process of its own, snapshots in shared memory (its first save also starts
+                 the process: a warm-up cost)
 * ``disk``       no checkpoint: the same number of bytes written after each step from a
                  fixed buffer by the native engine (O_DIRECT, no checksums, no plan,
                  fsync), on a background thread, from ordinary memory (4 KiB pages where
@@ -87,6 +90,7 @@ LABELS = {
     "overlap_bg": "  overlap, CPU work in the background",
     "snapshot_bg": "  snapshot, CPU work in the background",
     "overlap_huge": "  overlap, live tensors moved to huge pages",
+    "process": "fp_core AsyncCheckpointer(writer='process')",
 }
 HUGE_PAGE = 2 << 20
 BACKGROUND_MODES = ("overlap_bg", "snapshot_bg")  # cpu_work_at_save=False
@@ -107,6 +111,8 @@ class Trainer:
         self.dtype = dtype
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-5, **({"fused": True} if fused_adam else {}))
         self.set_batch(batch)
+        self.python_ops = 0  # small ops per step (a Python-heavy step: the GIL is busy)
+        self._small = torch.zeros(8)
 
     def set_batch(self, batch: int) -> None:
         width = self.model[0].in_features
@@ -117,6 +123,10 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(self.model(self.x), self.y)
         loss.backward()
+        small = self._small
+        for _ in range(self.python_ops):  # each a Python call into torch, under the GIL
+            small = small.add(1.0).mul_(0.5)
+        self._small = small
         self.opt.step()
         if self.device.type == "cuda":  # the step is done when the GPU is (a loop logging its loss waits too)
             torch.cuda.current_stream(self.device).synchronize()  # this stream only, not a checkpoint's copies
@@ -334,11 +344,12 @@ class DcpAsync(Mode):
 
 class FastPersistAsync(Mode):
     def __init__(self, path: str, policy: str, engine_options: dict[str, Any],
-                 cpu_work_at_save: bool | None = None, collapse_live_tensors: bool = False) -> None:
+                 cpu_work_at_save: bool | None = None, collapse_live_tensors: bool = False,
+                 writer: str = "thread") -> None:
         super().__init__(path)
         from ..pipeline import AsyncCheckpointer
         self.ckpt = AsyncCheckpointer(policy=policy, cpu_work_at_save=cpu_work_at_save,
-                                      collapse_live_tensors=collapse_live_tensors, **engine_options)
+                                      collapse_live_tensors=collapse_live_tensors, writer=writer, **engine_options)
         inner = self.ckpt.fence
 
         def timed_fence() -> None:  # the optimizer pre-hook calls self.fence()
@@ -376,6 +387,8 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         mode = DcpAsync(path)
     elif mode_name == "overlap_huge":
         mode = FastPersistAsync(path, "overlap", engine_options, collapse_live_tensors=True)
+    elif mode_name == "process":
+        mode = FastPersistAsync(path, "snapshot", engine_options, writer="process")
     elif mode_name in BACKGROUND_MODES:
         mode = FastPersistAsync(path, mode_name.removesuffix("_bg"), engine_options, cpu_work_at_save=False)
     else:
@@ -469,6 +482,7 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     eng = engine_options(args)
     fused = getattr(args, "adam", "default") == "fused"
     tr = Trainer(args.width, args.layers, args.batch or 8, device=device, dtype=dtype, fused_adam=fused)
+    tr.python_ops = getattr(args, "python_ops", 0)
     if args.batch:
         batch = args.batch
     elif device.type == "cuda":  # 8 and 64 only time kernel launches on a GPU
@@ -483,6 +497,7 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
     log(f"MLP {args.layers}x{args.width} {str(dtype).removeprefix('torch.')} on {where}, {'fused ' if fused else ''}Adam: "
         f"{nparams / 1e6:.1f}M params, "
         f"checkpoint {nbytes / 1e9:.2f} GB, batch {batch}, torch threads {torch.get_num_threads()}, "
+        f"{f'{tr.python_ops} small Python ops per step, ' if tr.python_ops else ''}"
         f"engine options {eng or 'defaults'}")
     huge_share, pages_line = describe_pages(tr.state())
     log(pages_line)  # what overlap writes in place from, and what a snapshot copies from

@@ -3,6 +3,7 @@ memory, a checkpoint that survives its trainer, and resume from memory."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -13,7 +14,7 @@ import uuid
 
 import pytest
 import torch
-from conftest import HELPERS, assert_no_temps
+from conftest import HELPERS, assert_no_temps, free_port
 
 import fp_core
 from fp_core import AsyncCheckpointer, AsyncCheckpointError, memory_image
@@ -283,3 +284,21 @@ def test_no_writer_is_left_after_an_exception_or_a_plain_exit(disk_dir, shm_root
 def check_torch(path: str) -> bool:
     fp_core.verify(path)
     return bool((torch.load(path, weights_only=True)["w"] == 1).all())
+
+
+def test_torchrun_a_killed_rank_and_the_restart_resume_from_memory(disk_dir, shm_root):
+    """2 ranks; rank 1 SIGKILLed after step 3's fence, rank 0 stopped by torchrun; the restart
+    finds both files committed and loads each from its shared-memory image."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
+                        "1", "--master-port", free_port(), os.path.join(HELPERS, "torchrun_process_writer.py"),
+                        disk_dir], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    for rank in range(2):
+        with open(os.path.join(disk_dir, f"result{rank}.json")) as f:
+            res = json.load(f)
+        assert res == {**res, "attempt": 1, "from_memory": True, "same": True, "step": 3}, res
+        old_writer = int(open(os.path.join(disk_dir, f"writer{rank}.pid")).read())
+        assert wait_gone(old_writer, 1), f"rank {rank}'s first writer is still running"
+        assert torch.load(os.path.join(disk_dir, f"rank{rank}.pt"), weights_only=True)["step"] == 4
+    assert _images(shm_root) == []  # the restart's commits superseded the old images; close removed its own
+    assert_no_temps(disk_dir)
