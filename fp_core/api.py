@@ -195,11 +195,20 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
 
         return remote.load(p, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap,
                            storage_options=storage_options, keep_local=keep_local)
-    image = None if mmap else _memory_image(p)  # a mapping must not see the arena's next snapshot
+    image = _memory_image(p)
+    if image is not None:
+        from .memory_image import frozen
+
+        # The tensors are built on a mapping of the image where nobody writes into it again
+        # (its trainer is gone: no later snapshot lands in it); else on a copy.
+        mapped = frozen(image)
+        if mmap and not mapped:
+            image = None  # a mapping of an arena its trainer still fills: the disk file instead
     if image is not None:
         try:
             return _from_memory(p, image, lambda: loader.load(image, map_location=map_location,
-                                                              weights_only=weights_only, verify=True))
+                                                              weights_only=weights_only, verify=True,
+                                                              mmap=mapped))
         except _MemoryImageFailed:
             pass
     return loader.load(p, map_location=map_location, weights_only=weights_only, verify=verify, mmap=mmap)

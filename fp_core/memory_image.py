@@ -218,6 +218,13 @@ def find(path: str | os.PathLike) -> str | None:
     return None
 
 
+def frozen(image: str) -> bool:
+    """Nobody writes into this image again: the trainer that snapshotted into it is gone
+    (its writer finished the image before recording it)."""
+    pid = owner_pid(os.path.basename(image))
+    return pid is not None and pid != os.getpid() and not _alive(pid)
+
+
 def owner_pid(name: str) -> int | None:
     """The trainer pid in an arena's name (``fp-<pid>-<n>.img``)."""
     parts = name.split("-")

@@ -72,6 +72,8 @@ def test_round_trip_and_the_image_is_the_file(disk_dir, shm_root):
             assert image is not None
             with open(image, "rb") as a, open(path, "rb") as b:
                 assert a.read() == b.read()
+            hits = memory_image.hits  # its own image, still this process's arena: read as a copy
+            assert _equal(fp_core.load(path, weights_only=True), st) and memory_image.hits == hits + 1
         writer = ck._writer_proc.pid
         st = {"a": torch.randn(1000), "b": torch.arange(10)}
         ck.save(st, os.path.join(disk_dir, "m.safetensors"), format="safetensors").result()
