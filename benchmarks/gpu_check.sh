@@ -15,12 +15,14 @@
 # Phases, most important first:
 #
 #   setup        build the engine if needed; versions, GPU, memory, disk, engine backend
-#   cuda-tests   pytest -m cuda tests/core/test_cuda.py + sharded (Lightning FSDP, HF FSDP,
-#                layout="file" under NCCL from device shards)                    <= 200 s
+#   cuda-tests   pytest -m cuda tests/core/test_cuda.py + the process writer's pinned shared
+#                arena + sharded (Lightning FSDP, HF FSDP, layout="file" under NCCL from
+#                device shards)                    <= 200 s
 #   bench-async  fastpersist bench --async --device cuda: MLP 14 x 8192 float32 with
 #                Adam = 940M params, an 11.3 GB checkpoint after every iteration (1 s
 #                steps); rows: no checkpoint, torch.save, DCP async_save, Lightning's
-#                AsyncCheckpointIO, AsyncCheckpointer auto/overlap/snapshot        <= 200 s
+#                AsyncCheckpointIO, AsyncCheckpointer auto/overlap/snapshot and
+#                writer='process'                                                  <= 200 s
 #   bench-sync   fastpersist bench --device cuda --size 4GiB: fp_core.save/load of a CUDA
 #                state dict vs torch.save+fsync / torch.load(map_location="cuda"), with
 #                the engine's own rows                                              <= 90 s
@@ -151,7 +153,7 @@ PHASES=$LOGS/phases.tsv
 ASYNC_ARGS=(bench --async --device cuda --dtype "${FP_GPU_ASYNC_DTYPE:-float32}" --adam "${FP_GPU_ASYNC_ADAM:-default}"
     --width "${FP_GPU_ASYNC_WIDTH:-8192}" --layers "${FP_GPU_ASYNC_LAYERS:-14}"
     --compute-ms "${FP_GPU_ASYNC_COMPUTE_MS:-1000}" --iters "${FP_GPU_ASYNC_ITERS:-2}" --warmup 1 --rounds 1
-    --modes none,auto,overlap,snapshot,torch,lightning,dcp --no-write-probe --dir "$WORK/async")
+    --modes none,auto,overlap,snapshot,process,torch,lightning,dcp --no-write-probe --dir "$WORK/async")
 SYNC_ARGS=(bench --device cuda --size "${FP_GPU_SYNC_SIZE:-4GiB}" --repeat 2 --warmup-rounds 1
     --only device,torch,fastpersist,load_device,load_torch,load_fastpersist,load_fastpersist_verify
     --dir "$WORK/sync")
@@ -197,7 +199,7 @@ fi
 
 if [ "$HAS_GPU" = 1 ]; then
     # -v: a test that hangs past the phase's timeout still leaves the names of those that passed
-    phase cuda-tests 200 30 "$PY" "${PYTEST_ARGS[@]}" -m cuda -v -rfEsxX --durations=10 tests/core/test_cuda.py tests/integrations/test_sharded_cuda.py tests/integrations/test_lightning_fsdp_cuda.py
+    phase cuda-tests 200 30 "$PY" "${PYTEST_ARGS[@]}" -m cuda -v -rfEsxX --durations=10 tests/core/test_cuda.py tests/core/test_process_writer_cuda.py tests/integrations/test_sharded_cuda.py tests/integrations/test_lightning_fsdp_cuda.py
     phase bench-async 200 60 "$PY" -m fp_core.tools.cli "${ASYNC_ARGS[@]}" --json-out "$LOGS/bench-async.json"
     phase bench-sync 90 30 "$PY" -m fp_core.tools.cli "${SYNC_ARGS[@]}" --json-out "$LOGS/bench-sync.json"
     phase lightning 75 30 "$PY" examples/lightning_finetune.py --large --accelerator gpu --steps 4 --dir "$WORK/lightning"
@@ -208,7 +210,7 @@ else
 fp_integrations.lightning, fp_integrations.hf, lightning, transformers, accelerate, safetensors, pytest, fsspec, numpy; \
 print('imports ok')"
     phase dry-collect 90 10 bash -c '"$0" "$@" | tee /dev/stderr | grep -Eq "^[0-9]+ tests? collected"' \
-        "$PY" "${PYTEST_ARGS[@]}" -m cuda --collect-only -q tests/core/test_cuda.py tests/integrations/test_sharded_cuda.py tests/integrations/test_lightning_fsdp_cuda.py
+        "$PY" "${PYTEST_ARGS[@]}" -m cuda --collect-only -q tests/core/test_cuda.py tests/core/test_process_writer_cuda.py tests/integrations/test_sharded_cuda.py tests/integrations/test_lightning_fsdp_cuda.py
     phase dry-bench-async 60 10 "$PY" -m fp_core.tools.cli "${ASYNC_ARGS[@]}" --dry-run
     phase dry-bench-sync 60 10 "$PY" -m fp_core.tools.cli "${SYNC_ARGS[@]}" --dry-run
     phase dry-examples 90 10 bash -c '"$0" examples/lightning_finetune.py --help | grep -q -- --accelerator &&
