@@ -58,6 +58,7 @@ for p in (REPO, HELPERS):
 
 import crash_child  # noqa: E402
 import torch  # noqa: E402
+from process_writer_victim import wait_gone  # noqa: E402
 
 import fp_core  # noqa: E402
 from fp_core import _native  # noqa: E402
@@ -65,8 +66,13 @@ from fp_core import _native  # noqa: E402
 TMP_SUFFIX = ".fptmp"
 DEFAULT_ROOT = "/work/bench-tmp"
 CORE_MODES = ("sync", "async", "dist-sync", "dist-async", "dist-dcp", "dist-file")
-MIB = {"sync": 16, "async": 16, "dist-sync": 16, "dist-async": 16, "dist-dcp": 16, "dist-file": 16}
-WEIGHTS = {"sync": 0.3, "async": 0.3, "dist-sync": 0.2, "dist-async": 0.2, "dist-dcp": 0.2, "dist-file": 0.2}
+# also on request (--modes): the writer in its own process (issue #40)
+OTHER_MODES = ("async-process",)
+MIB = {"sync": 16, "async": 16, "dist-sync": 16, "dist-async": 16, "dist-dcp": 16, "dist-file": 16,
+       "async-process": 16}
+WEIGHTS = {"sync": 0.3, "async": 0.3, "dist-sync": 0.2, "dist-async": 0.2, "dist-dcp": 0.2, "dist-file": 0.2,
+           "async-process": 0.3}
+ROTATING = ("async", "async-process")  # step-{gen}.pt files, the last few kept
 DCP_LEFTOVERS = (".ckpt.fastpersist-staging", ".fastpersist-replaced-ckpt")  # a killed sharded save's
 CLI = [sys.executable, "-m", "fp_core.tools.cli"]
 
@@ -230,7 +236,7 @@ def check_core_dir(mode: str, d: str, started: set[int], durable_now: int | None
         if n.startswith("step-") and n != f"step-{g}.pt":
             problems.append(f"{n} holds generation {g}")
     if durable_now is not None:
-        if mode == "async":
+        if mode in ROTATING:
             if f"step-{durable_now}.pt" not in found:
                 problems.append(f"step-{durable_now}.pt was reported durable and is missing")
         else:
@@ -308,6 +314,9 @@ def core_trials(mode: str, n: int, root: str, rng: random.Random, T: float) -> d
                 res["survivor_errors"][err] = res["survivor_errors"].get(err, 0) + 1
         for c in kids:
             c.drain()
+        for pid in kids[0].gens("W"):  # a writer process outlives its trainer: let it commit, then check
+            if not wait_gone(pid, 60):
+                res["problems"].append(f"trial {i}: writer process {pid} still running 60 s after its trainer died")
         S, D = set(kids[0].gens("S")), kids[0].gens("D")
         started |= S
         if max(S) not in D:
@@ -324,7 +333,7 @@ def core_trials(mode: str, n: int, root: str, rng: random.Random, T: float) -> d
             res["failures"] += 1
             res["data_lost"] += 1
             res["problems"] += [f"trial {i}: {p}" for p in chk["problems"]]
-        if mode == "async":  # checked; drop the previous trials' rotation leftovers (bounded disk/check time)
+        if mode in ROTATING:  # checked; drop the previous trials' rotation leftovers (bounded disk/check time)
             for n_, g_ in chk["finals"].items():
                 if g_ < gen0:
                     os.unlink(os.path.join(d, n_))
@@ -807,7 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=200, help="core crash trials, spread over --modes by weight")
     ap.add_argument("--integration-trials", type=int, default=8, help="Lightning and HF crash trials each")
     ap.add_argument("--only", default="crash,faults,corruption")
-    ap.add_argument("--modes", default=",".join(CORE_MODES))
+    ap.add_argument("--modes", default=",".join(CORE_MODES),
+                    help=f"comma list of {','.join(CORE_MODES + OTHER_MODES)}")
     ap.add_argument("--root", default=DEFAULT_ROOT)
     ap.add_argument("--seed", type=int, default=2024)
     ap.add_argument("--json", default=None)

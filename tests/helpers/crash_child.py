@@ -16,6 +16,8 @@ Modes (``run(mode, directory, conn, **kw)`` in a forked process, or the CLI belo
                  tensors after ``fence()`` (as an optimizer step would) and keeps the last 3
                  via ``ckpt.enqueue(os.unlink, old)``.
 * ``dist-sync``  2 ranks over gloo: ``fp_core.save(state(g), DIR/ckpt.pt, group=WORLD)``.
+* ``async-process`` as ``async``, with ``writer="process"``: the writer outlives the kill and
+                 commits what was handed to it (the harness waits for it before checking).
 * ``dist-async`` 2 ranks: ``AsyncCheckpointer(group=WORLD)`` saving ``DIR/ckpt.pt``.
 * ``dist-dcp``   2 ranks: the same state as DTensors sharded over both ranks (``w``, ``m``
                  split in two, the rest replicated), saved by ``AsyncCheckpointer`` into the
@@ -177,8 +179,9 @@ def run(mode: str, directory: str, conn=None, mib: int = 16, policy: str = "over
                 _send(conn, "S", gen, time.monotonic())
                 fp_core.save(obj, path, layout="file")
                 _durable(conn, gen)
-        elif mode in ("async", "dist-async"):
-            ckpt = fp_core.AsyncCheckpointer(policy=policy, group=group)
+        elif mode in ("async", "dist-async", "async-process"):
+            ckpt = fp_core.AsyncCheckpointer(policy=policy, group=group,
+                                             writer="process" if mode == "async-process" else "thread")
             gen = gen0
             while True:
                 gen += 1
@@ -189,6 +192,8 @@ def run(mode: str, directory: str, conn=None, mib: int = 16, policy: str = "over
                 p = path if group is not None else os.path.join(directory, f"step-{gen}.pt")
                 _send(conn, "S", gen, time.monotonic())
                 ckpt.save(obj, p, on_commit=lambda _p, _st, g=gen: _durable(conn, g))
+                if gen == gen0 + 1 and ckpt._writer_proc is not None:
+                    _send(conn, "W", ckpt._writer_proc.pid)  # outlives this process: the harness waits for it
                 if group is None and gen - gen0 > KEEP:
                     ckpt.enqueue(os.unlink, os.path.join(directory, f"step-{gen - KEEP}.pt"))
         else:
