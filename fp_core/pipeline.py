@@ -509,10 +509,11 @@ class AsyncCheckpointer:
             # checkpoint is several files), not one per save an adapter lets queue
             job = ProcessSave(obj, path, self._writer_proc, self.options, format=format, metadata=metadata,
                               keep_arenas=min(self.max_in_flight, 8))
-            if job.plan.file_size <= self.snapshot_budget_bytes:
+            if job.plan.file_size <= self.snapshot_budget_bytes or job.live_shareable(self.small_tensor_bytes):
                 return job
             job.abort()
-            why = f"a checkpoint over snapshot_budget_bytes={self.snapshot_budget_bytes}"
+            why = (f"a checkpoint over snapshot_budget_bytes={self.snapshot_budget_bytes} whose tensors are not "
+                   "in shared memory")
         if why not in self._thread_reasons:
             self._thread_reasons.add(why)
             log.warning("fastpersist: writer='process' takes local single-file saves; %s (%s) is written by the "
@@ -527,7 +528,15 @@ class AsyncCheckpointer:
         small = [s for s in storages if s.length <= self.small_tensor_bytes]
         big = [s for s in storages if s.length > self.small_tensor_bytes]
         in_process = isinstance(prepared, ProcessSave)
-        policy = "snapshot" if in_process else self._choose_policy(sum(s.length for s in storages))
+        if in_process:
+            # The writer process reads a snapshot in shared memory, or (overlap, or over the
+            # snapshot budget) live tensors that are in shared memory themselves.
+            over = prepared.plan.file_size > self.snapshot_budget_bytes
+            prepared.overlap = ((self.policy == "overlap" or over)
+                                and prepared.live_shareable(self.small_tensor_bytes))
+            policy = "overlap" if prepared.overlap else "snapshot"
+        else:
+            policy = self._choose_policy(sum(s.length for s in storages))
         warm: tuple[int, bool] | None = None
         with self._cv:
             busy = bool(self._saves)  # its arena comes back when it ends
@@ -662,6 +671,8 @@ class AsyncCheckpointer:
     def _fence_can_copy(self, prepared: SaveJob) -> bool:
         """Will an overlap save of ``prepared`` get a fence that copies the rest? (A local
         save of CPU tensors: collective, sharded and device saves keep the waiting fence.)"""
+        if isinstance(prepared, ProcessSave):
+            return False  # the writer process reads live memory until it says it is done
         if not (self.fence_copies_rest and prepared.plan is not None and not prepared.collective
                 and all(s.source.device.type == "cpu" for s in prepared.plan.storages)):
             return False

@@ -86,6 +86,9 @@ class WriterProcess:
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
+        # the same socket, for the descriptors of live shared-memory tensors (SCM_RIGHTS)
+        self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        self._released: set[int] = set()
         self.pid = self.proc.pid
         self._gone: str | None = None
         self.superseded_cleaned = False
@@ -94,12 +97,15 @@ class WriterProcess:
     def next_seq(self) -> int:
         return next(self._seq)
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: tuple, fds: list[int] | None = None) -> None:
+        """``fds`` go right behind the message (its spec says how many)."""
         if self._gone is not None:
             raise WriterProcessError(self._gone)
         try:
             with self._send_lock:
                 self.conn.send(msg)
+                if fds:
+                    socket.send_fds(self._sock, [b"F"], fds)
         except OSError as e:
             self._died(f"sending to it failed: {e}")
             raise WriterProcessError(self._gone) from e
@@ -109,9 +115,15 @@ class WriterProcess:
         with contextlib.suppress(WriterProcessError):
             self.send(("skip", seq))
 
-    def result(self, seq: int) -> tuple:
-        """Wait for job ``seq``'s report (called by one thread: the pipeline's worker)."""
+    def result(self, seq: int, on_released: Any = None) -> tuple:
+        """Wait for job ``seq``'s report (called by one thread: the pipeline's worker);
+        ``on_released()`` runs when the writer no longer reads this process's memory."""
         while seq not in self._results:
+            if on_released is not None and seq in self._released:
+                self._released.discard(seq)
+                on_released, release = None, on_released
+                release()
+                continue
             if self._gone is not None:
                 raise WriterProcessError(self._gone)
             try:
@@ -121,6 +133,9 @@ class WriterProcess:
                 raise WriterProcessError(self._gone) from e
             if msg[0] in ("done", "failed"):
                 self._results[msg[1]] = msg
+            elif msg[0] == "released":
+                self._released.add(msg[1])
+        self._released.discard(seq)
         return self._results.pop(seq)
 
     def _died(self, why: str) -> None:
@@ -176,6 +191,8 @@ class WriterProcess:
         self._gone = self._gone or "closed"
         with contextlib.suppress(OSError):
             self.conn.close()
+        with contextlib.suppress(OSError):
+            self._sock.close()
         for a in [*self._free, *self._all]:
             a.destroy()
         self._free.clear()
@@ -186,6 +203,8 @@ class WriterProcess:
         """In a forked child: the socket and the arenas are the parent's."""
         with contextlib.suppress(OSError):
             os.close(self.conn.fileno())  # not conn.close(): nothing of the parent's is sent or shut
+        with contextlib.suppress(OSError):
+            os.close(self._sock.detach())
         self._gone = "this is a forked child of the process that started the writer"
         self._free.clear()
         self._all = weakref.WeakSet()
@@ -231,8 +250,23 @@ class ProcessSave:
         self.seq = writer.next_seq()
         self.arena: memory_image.SharedArena | None = None
         self.handed = False
+        self.overlap = False  # set by the pipeline: large tensors read from their shared memory
+        self.reads_live = False
         self._failed: BaseException | None = None
         self._t0 = t0
+
+    def live_shareable(self, small: int) -> bool:
+        """Can the writer read every tensor over ``small`` bytes from live memory? (CPU
+        tensors in shared memory, ``share_memory_()``: it maps their descriptors.)"""
+        for s in self.plan.storages:
+            if s.length <= small:
+                continue
+            if not s.source_on_cpu:
+                return False
+            st = s.source.untyped_storage()
+            if not st.is_shared() or not hasattr(st, "_share_fd_cpu_"):
+                return False
+        return True
 
     def take_arena(self) -> memory_image.SharedArena:
         if self.arena is None:
@@ -247,7 +281,18 @@ class ProcessSave:
         if self.handed:
             return
         arena = self.take_arena()
-        todo = [s for s in self.plan.storages if s.host is None or not arena.holds(s.host, s.offset)]
+        live: dict[int, tuple[int, int, int]] = {}  # extent index -> (descriptor, start, mapping size)
+        fds: list[int] = []
+        if self.overlap:
+            for i, s in enumerate(self.plan.storages):
+                if s.host is None and s.source_on_cpu and s.source.untyped_storage().is_shared():
+                    st = s.source.untyped_storage()
+                    fd, size = st._share_fd_cpu_()[:2]
+                    if fd not in fds:
+                        fds.append(fd)
+                    live[i] = (fds.index(fd), s.source.data_ptr() - st.data_ptr(), size)
+        todo = [s for i, s in enumerate(self.plan.storages)
+                if i not in live and (s.host is None or not arena.holds(s.host, s.offset))]
         if todo:
             slots = arena.carve(todo)
             device = [(s, b) for s, b in zip(todo, slots) if s.host is None and s.source.device.type != "cpu"]
@@ -260,19 +305,21 @@ class ProcessSave:
         spec = {
             "final": self.final, "path": self.final, "image": arena.path, "size": self.plan.file_size,
             "options": dataclasses.asdict(self.options),
-            "plan": _plan_for_wire(self.plan),
+            "plan": _plan_for_wire(self.plan), "live": live, "nfds": len(fds),
         }
-        self.writer.send(("job", self.seq, spec))
+        self.writer.send(("job", self.seq, spec), fds)
         self.handed = True
+        self.reads_live = bool(live)
 
     def run(self, on_body_written: Any = None) -> SaveStats:
         try:
             if self._failed is not None:
                 raise self._failed
             self.handoff()
-            if on_body_written is not None:
+            if on_body_written is not None and not self.reads_live:
                 on_body_written()  # nothing of the trainer's memory is read from here on
-            msg = self.writer.result(self.seq)
+                on_body_written = None
+            msg = self.writer.result(self.seq, on_released=on_body_written)
         except BaseException:
             self.abort()
             raise

@@ -14,10 +14,12 @@ process exits: it never outlives its last commit.
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import select
 import signal
+import socket
 import sys
 import threading
 import traceback
@@ -27,7 +29,21 @@ from typing import Any
 GONE = ("gone",)
 
 
+def _recv(conn: Connection, sock: socket.socket) -> Any:
+    """One message; a job's descriptors of live tensors come right behind it."""
+    msg = conn.recv()
+    if msg[0] == "job" and msg[2].get("nfds"):
+        _, fds, _, _ = socket.recv_fds(sock, 1, msg[2]["nfds"])
+        if len(fds) != msg[2]["nfds"]:
+            for fd in fds:
+                os.close(fd)
+            raise EOFError("the trainer went away while sending a job's descriptors")
+        msg[2]["fds"] = fds
+    return msg
+
+
 def _receive(conn: Connection, trainer_pid: int, inbox: queue.Queue) -> None:
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         pidfd = os.pidfd_open(trainer_pid)
     except (ProcessLookupError, OSError):
@@ -41,19 +57,30 @@ def _receive(conn: Connection, trainer_pid: int, inbox: queue.Queue) -> None:
             ready, _, _ = select.select(watch, [], [])
             if conn.fileno() in ready:
                 try:
-                    inbox.put(conn.recv())
+                    inbox.put(_recv(conn, sock))
                 except (EOFError, OSError):
                     break
                 continue
             # the trainer exited: what it sent before is in the socket; take all of it
             try:
                 while conn.poll(0):
-                    inbox.put(conn.recv())
+                    inbox.put(_recv(conn, sock))
             except (EOFError, OSError):
                 pass
             break
     finally:
         inbox.put(GONE)
+
+
+def _readonly_view(m: mmap.mmap) -> Any:
+    """A uint8 tensor over a read-only mapping (the writer only reads it)."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns of a non-writable buffer
+        return torch.frombuffer(m, dtype=torch.uint8)
 
 
 def _image_rest(plan: Any, view: Any) -> None:
@@ -75,7 +102,7 @@ def _image_rest(plan: Any, view: Any) -> None:
             view[start:end].copy_(torch.frombuffer(memoryview(seg)[: end - start], dtype=torch.uint8))
 
 
-def _run(spec: dict, resume: bool) -> dict:
+def _run(spec: dict, resume: bool, released: Any) -> dict:
     import fcntl
 
     from fp_core import memory_image
@@ -86,12 +113,30 @@ def _run(spec: dict, resume: bool) -> dict:
     m, view = memory_image.map_image(spec["image"], spec["size"])
     lock = os.open(spec["image"], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     fcntl.flock(lock, fcntl.LOCK_SH)  # a clean-up elsewhere leaves an arena in use alone
+    maps: list[mmap.mmap] = []
+    plan = spec["plan"]
+    mapped: dict[int, Any] = {}
+    sources: list[Any] = []
     try:
-        plan = spec["plan"]
-        plan.storages = [StorageExtent(off, n, view[off: off + n], rec, host_crcs=crcs, record_start=rs)
-                         for off, n, rec, rs, crcs in plan.storages]
+        fds = spec.get("fds", [])
+        for k, _start, size in spec["live"].values():
+            # a live tensor in the trainer's shared memory: read from its descriptor
+            if k not in mapped:
+                m_live = mmap.mmap(fds[k], size, mmap.MAP_SHARED, mmap.PROT_READ)
+                maps.append(m_live)
+                mapped[k] = _readonly_view(m_live)
+        for i, (off, n, *_) in enumerate(plan.storages):
+            if i in spec["live"]:
+                k, start, _ = spec["live"][i]
+                sources.append(mapped[k][start: start + n])
+            else:
+                sources.append(view[off: off + n])
+        plan.storages = [StorageExtent(off, n, src, rec, host_crcs=crcs, record_start=rs)
+                         for (off, n, rec, rs, crcs), src in zip(plan.storages, sources)]
         job = LocalSave.from_plan(plan, spec["path"], EngineOptions(**spec["options"]))
-        stats = job.run()
+        stats = job.run(on_body_written=released if spec["live"] else None)
+        if spec["live"]:  # the arena holds only part of the file: no image of it
+            return stats.as_dict()
         _image_rest(plan, view)
         if resume:
             try:
@@ -101,10 +146,16 @@ def _run(spec: dict, resume: bool) -> dict:
         return stats.as_dict()
     finally:
         del view
-        try:
-            m.close()
-        except BufferError:
-            pass
+        plan.storages = []
+        mapped.clear()
+        sources.clear()
+        for mm in [m, *maps]:
+            try:
+                mm.close()
+            except BufferError:  # a view still alive: unmapped when it goes
+                pass
+        for fd in spec.get("fds", []):
+            os.close(fd)
         os.close(lock)
 
 
@@ -164,8 +215,15 @@ def main(argv: list[str]) -> int:
             seq, next_seq = next_seq, next_seq + 1
             if kind == "skip":
                 continue
+            def released(seq: int = seq) -> None:
+                if trainer_here:  # noqa: B023 - read now: the trainer may be gone since
+                    try:
+                        conn.send(("released", seq))
+                    except OSError:
+                        pass
+
             try:
-                report = ("done", seq, _run(spec, resume))
+                report = ("done", seq, _run(spec, resume, released))
             except BaseException as e:  # noqa: BLE001 - reported to the trainer, never dropped
                 report = ("failed", seq, _failure(e))
             if trainer_here:
