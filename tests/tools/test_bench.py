@@ -14,9 +14,30 @@ from conftest import REPO
 
 from fp_core.tools.bench import paired_ratio
 
+# The CLI as ``-m fp_core.tools.cli`` runs it, except for two things that only make a real
+# disk's timings fair and that these tests never check (they check rows, rounds, ratios and
+# cleanup): bench.settle keeps its os.sync() but not its sleep (0.5 s per save row, 2 s before
+# every load row of every round: most of these tests' time), and the whole machine's page
+# cache is not dropped (as for a bench run without root: drop_all_caches returns False; as
+# root it made every later test of the session import torch & co. from the disk again).
+# Lightning's _atomic_save is looked up when the "lightning" row first saves, not before
+# every run (importing lightning took 3 to 8 s of each run; these tests never ask for that row).
+_CLI_NO_SETTLE = ("import os, runpy; import fp_core.tools.bench as b; b.settle = lambda seconds=0.5: os.sync(); "
+                  "b.drop_all_caches = lambda: False; las = b._lightning_atomic_save; "
+                  "b._lightning_atomic_save = lambda: lambda sd, path: las()(sd, path); "
+                  "runpy.run_module('fp_core.tools.cli', run_name='__main__', alter_sys=True)")
+
+
+def _no_settle(monkeypatch) -> None:
+    """The same for a bench run in this process."""
+    from fp_core.tools import bench
+
+    monkeypatch.setattr(bench, "settle", lambda seconds=0.5: os.sync())
+    monkeypatch.setattr(bench, "drop_all_caches", lambda: False)
+
 
 def _bench(args: list[str], cwd: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "fp_core.tools.cli", "bench", *args, "--json"], cwd=cwd,
+    out = subprocess.run([sys.executable, "-c", _CLI_NO_SETTLE, "bench", *args, "--json"], cwd=cwd,
                          capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-2000:]
@@ -443,6 +464,7 @@ def test_a_4k_row_without_its_memory_fails_alone(tmp_path, monkeypatch):
         raise MemoryError("no memory for the 4 KiB row")
 
     monkeypatch.setattr(bench, "_small_page_buffer", refuse)
+    _no_settle(monkeypatch)
     ns = argparse.Namespace(size=4 << 20, sizes=None, repeat=1, warmup_rounds=0, dir=str(tmp_path / "out"),
                             only="load_device,load_device_4k", device="cpu", backend=None, queue_depth=None,
                             chunk_bytes=None, copy_threads=None, io_threads=None)
