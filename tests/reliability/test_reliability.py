@@ -12,7 +12,7 @@ import random
 import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, fs_type
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
@@ -119,10 +119,29 @@ def test_permission_denied_on_unsearchable_parent_says_so(fault_table):
     assert row["exception"] == "PermissionError", row
 
 
+@pytest.fixture(scope="module")
+def corruption_table(tmp_path_factory):
+    """ch.corruption_rows once for the module (it makes all three kinds, each with a CLI
+    run; it ran in full for each kind), on a real disk as the disk_dir fixture picks it."""
+    import shutil
+    import uuid
+
+    from conftest import DISK_TMP_ROOT
+
+    d = str(tmp_path_factory.mktemp("corrupt"))
+    if fs_type(d) in ("tmpfs", "ramfs", "overlay"):
+        d = os.path.join(DISK_TMP_ROOT, uuid.uuid4().hex)
+        os.makedirs(d)
+        try:
+            return {r["scenario"]: r for r in ch.corruption_rows(d)}
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    return {r["scenario"]: r for r in ch.corruption_rows(d)}
+
+
 @pytest.mark.parametrize("kind", ["flipped bit", "zeroed 4 KiB block", "truncated to half"])
-def test_corruption_detected_by_cli_and_load(disk_dir, kind):
-    rows = {r["scenario"]: r for r in ch.corruption_rows(disk_dir)}
-    row = rows[kind]
+def test_corruption_detected_by_cli_and_load(corruption_table, kind):
+    row = corruption_table[kind]
     assert row["cli_exit"] == 1, row
     assert row["load_exception"] == "CorruptCheckpointError", row
     if kind == "truncated to half":
