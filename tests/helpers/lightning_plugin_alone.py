@@ -15,6 +15,10 @@ or ``stock``; LAYOUT: ``file``
 
 Each rank writes DIR/<MODE>-<LAYOUT>-<PHASE>-<RANK>.pt (torch.save of its records) and
 rank 0 DIR/<MODE>-<LAYOUT>-<PHASE>.json (the checkpoints, the plugin's saves).
+
+Several runs can share one launch (``THIS DIR MODE LAYOUT PHASE DIR2 MODE2 ...``, one after
+the other in the same process group; each its own Trainer, plugin and directory; ``fail``
+only last): each launch imports torch and Lightning again, which is most of a run's time.
 """
 
 from __future__ import annotations
@@ -105,7 +109,20 @@ def full_state(model: Net, trainer: Trainer) -> dict[str, torch.Tensor]:
 
 
 def main() -> None:
-    d, mode, layout, phase = sys.argv[1:5]
+    args = sys.argv[1:]
+    assert args and len(args) % 4 == 0, args
+    jobs = [args[i:i + 4] for i in range(0, len(args), 4)]
+    assert all(job[3] != "fail" for job in jobs[:-1]), jobs  # a failed fit leaves its group unusable
+    for i, (d, mode, layout, phase) in enumerate(jobs):
+        t = run(d, mode, layout, phase)
+        if i < len(jobs) - 1:
+            t.strategy.barrier()  # every rank has written this run's results before the next starts
+    if phase != "fail":
+        t.strategy.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def run(d: str, mode: str, layout: str, phase: str) -> Trainer:
     rank = int(os.environ["RANK"])
     rec: dict = {}
     info: dict = {}
@@ -148,9 +165,7 @@ def main() -> None:
     torch.save(rec, os.path.join(d, f"{mode}-{layout}-{phase}-{rank}.pt"))
     with open(os.path.join(d, f"{mode}-{layout}-{phase}-{rank}.json"), "w") as f:
         json.dump(info, f)
-    if phase != "fail":
-        t.strategy.barrier()
-        torch.distributed.destroy_process_group()
+    return t
 
 
 if __name__ == "__main__":

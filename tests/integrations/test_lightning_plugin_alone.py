@@ -31,11 +31,20 @@ pytest.importorskip("lightning")
 
 
 def _run(d, mode: str, layout: str, phase: str, nproc: int = 2) -> list[dict]:
+    return _run_many([(d, mode, layout, phase)], nproc)[0]
+
+
+def _run_many(jobs: list[tuple], nproc: int = 2) -> list[list[dict]]:
+    """Runs of one mode in one launch, one after the other (each in its own directory; torch
+    and Lightning are imported once); each run's per-rank results, in order."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           free_port(), os.path.join(HELPERS, "lightning_plugin_alone.py"), str(d), mode, layout, phase]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+           free_port(), os.path.join(HELPERS, "lightning_plugin_alone.py")]
+    for d, mode, layout, phase in jobs:
+        cmd += [str(d), mode, layout, phase]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300 * len(jobs))
     assert p.returncode == 0, p.stderr[-4000:]
-    return [json.loads((d / f"{mode}-{layout}-{phase}-{r}.json").read_text()) for r in range(nproc)]
+    return [[json.loads((d / f"{mode}-{layout}-{phase}-{r}.json").read_text()) for r in range(nproc)]
+            for d, mode, layout, phase in jobs]
 
 
 def _records(d, mode: str, layout: str, phase: str) -> dict:
@@ -58,18 +67,24 @@ def file_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("fit")
     out: dict = {"base": base}
     out["fit"] = {m: _run(base, m, "file", "fit") for m in ("fastpersist", "stock", "callback")}
-    for name, nproc in (("resume2", 2), ("resume1", 1)):
-        d = _copy(base, tmp_path_factory.mktemp(name) / "run")
-        out[name] = (d, {m: _run(d, m, "file", "resume", nproc) for m in ("fastpersist", "stock")})
-    d = _copy(base, tmp_path_factory.mktemp("fail") / "run")
-    last = d / "ckpts-fastpersist-file" / "last.ckpt"
-    out["fail_before"] = hashlib.sha256(last.read_bytes()).hexdigest()
-    out["fail"] = (d, _run(d, "fastpersist", "file", "fail"))
+    # The later runs share launches by mode and process count (ours never in one process with
+    # stock; each run first in its launch where its stock twin is): 7 launches, not 11.
+    r1 = _copy(base, tmp_path_factory.mktemp("resume1") / "run")
     one = tmp_path_factory.mktemp("one")
-    _run(one, "fastpersist", "file", "fit", 1)
-    d = _copy(one, tmp_path_factory.mktemp("one_to_two") / "run")
-    shutil.copytree(d / "ckpts-fastpersist-file", d / "ckpts-stock-file")  # stock's "last" is our file
-    out["one_to_two"] = (one, d, {m: _run(d, m, "file", "resume", 2) for m in ("fastpersist", "stock")})
+    fp1, _ = _run_many([(r1, "fastpersist", "file", "resume"), (one, "fastpersist", "file", "fit")], 1)
+    out["resume1"] = (r1, {"fastpersist": fp1, "stock": _run(r1, "stock", "file", "resume", 1)})
+    r2 = _copy(base, tmp_path_factory.mktemp("resume2") / "run")
+    fail = _copy(base, tmp_path_factory.mktemp("fail") / "run")
+    last = fail / "ckpts-fastpersist-file" / "last.ckpt"
+    out["fail_before"] = hashlib.sha256(last.read_bytes()).hexdigest()
+    o2 = _copy(one, tmp_path_factory.mktemp("one_to_two") / "run")
+    shutil.copytree(o2 / "ckpts-fastpersist-file", o2 / "ckpts-stock-file")  # stock's "last" is our file
+    fp_r2, fp_o2, fp_fail = _run_many([(r2, "fastpersist", "file", "resume"), (o2, "fastpersist", "file", "resume"),
+                                       (fail, "fastpersist", "file", "fail")])
+    st_r2, st_o2 = _run_many([(r2, "stock", "file", "resume"), (o2, "stock", "file", "resume")])
+    out["resume2"] = (r2, {"fastpersist": fp_r2, "stock": st_r2})
+    out["fail"] = (fail, fp_fail)
+    out["one_to_two"] = (one, o2, {"fastpersist": fp_o2, "stock": st_o2})
     return out
 
 
