@@ -419,49 +419,62 @@ DIST_SCRIPT = textwrap.dedent("""
     from test_hf import TokenDataset, tiny_bert, make_args, StopAt
     from transformers import Trainer
     from fp_integrations.hf import FastPersistCallback
-    out, all_ranks_write = sys.argv[1], sys.argv[2] == "1"
-    def trainer(cbs):
-        cb = FastPersistCallback(all_ranks_write=all_ranks_write)
-        t = Trainer(model=tiny_bert(), args=make_args(out, max_steps=6, save_steps=3), train_dataset=TokenDataset(),
-                    callbacks=[cb] + cbs)
-        return t, cb
-    t, cb = trainer([StopAt(3)])
-    t.train()
-    rank = t.args.process_index
-    assert cb.active and [r.ok for r in cb.records] == [True], cb.records
-    t2, cb2 = trainer([])
-    t2.train(resume_from_checkpoint=True)
-    assert t2.state.global_step == 6
-    opt = [h for h in cb2.records[-1].handles if h.path.endswith("optimizer.pt")]
-    res = {{"rank": rank, "world": t.args.world_size, "records": [r.ok for r in cb2.records],
-           "files": sorted(os.listdir(os.path.join(out, "checkpoint-6"))),
-           "optimizer_writers": [h.result().writers for h in opt]}}
-    with open(os.path.join(out, f"result_{{rank}}.json"), "w") as f:
-        json.dump(res, f)
+    def run(out, all_ranks_write):
+        def trainer(cbs):
+            cb = FastPersistCallback(all_ranks_write=all_ranks_write)
+            t = Trainer(model=tiny_bert(), args=make_args(out, max_steps=6, save_steps=3), train_dataset=TokenDataset(),
+                        callbacks=[cb] + cbs)
+            return t, cb
+        t, cb = trainer([StopAt(3)])
+        t.train()
+        rank = t.args.process_index
+        assert cb.active and [r.ok for r in cb.records] == [True], cb.records
+        t2, cb2 = trainer([])
+        t2.train(resume_from_checkpoint=True)
+        assert t2.state.global_step == 6
+        opt = [h for h in cb2.records[-1].handles if h.path.endswith("optimizer.pt")]
+        res = {{"rank": rank, "world": t.args.world_size, "records": [r.ok for r in cb2.records],
+               "files": sorted(os.listdir(os.path.join(out, "checkpoint-6"))),
+               "optimizer_writers": [h.result().writers for h in opt]}}
+        with open(os.path.join(out, f"result_{{rank}}.json"), "w") as f:
+            json.dump(res, f)
+    # OUT ALL_RANKS_WRITE pairs, one run after the other in this launch (each its own
+    # Trainers, callbacks and directory; a launch imports torch and transformers again)
+    for i in range(1, len(sys.argv), 2):
+        run(sys.argv[i], sys.argv[i + 1] == "1")
 """)
 
 
-@pytest.mark.parametrize("all_ranks_write", [False, True])
-def test_torchrun_two_cpu_processes(tmp_path, all_ranks_write):
+@pytest.fixture(scope="module")
+def torchrun_outs(tmp_path_factory) -> dict:
+    """One torchrun launch (2 CPU processes) runs DIST_SCRIPT for all_ranks_write False, then
+    True, each into its own directory: {all_ranks_write: its output directory}."""
+    tmp_path = tmp_path_factory.mktemp("torchrun")
     script = tmp_path / "dist_train.py"
     script.write_text(DIST_SCRIPT.format(repo=REPO, here=os.path.dirname(os.path.abspath(__file__))))
-    out = tmp_path / "out"
+    outs = {False: tmp_path / "out0", True: tmp_path / "out1"}
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     with socket.socket() as s:  # torchrun's --master_port 0 hangs with the static rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script), str(out),
-                             "1" if all_ranks_write else "0"],
+                             "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
+                             str(outs[False]), "0", str(outs[True]), "1"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=240)
+        stdout, stderr = proc.communicate(timeout=480)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
         stdout, stderr = proc.communicate()
         pytest.fail("torchrun run timed out:\n" + stdout[-2000:] + stderr[-4000:])
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return outs
+
+
+@pytest.mark.parametrize("all_ranks_write", [False, True])
+def test_torchrun_two_cpu_processes(torchrun_outs, all_ranks_write):
+    out = torchrun_outs[all_ranks_write]
     res = [json.loads((out / f"result_{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world"] == 2 and r["records"] == [True] for r in res)
     files = set(res[0]["files"])
