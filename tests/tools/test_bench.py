@@ -14,7 +14,7 @@ from conftest import REPO
 
 from fp_core.tools.bench import paired_ratio
 
-# The CLI as ``-m fp_core.tools.cli`` runs it, except for two things that only make a real
+# The CLI as ``-m fp_core.tools.cli`` runs it, except for what only makes a real
 # disk's timings fair and that these tests never check (they check rows, rounds, ratios and
 # cleanup): bench.settle keeps its os.sync() but not its sleep (0.5 s per save row, 2 s before
 # every load row of every round: most of these tests' time), and the whole machine's page
