@@ -33,6 +33,7 @@ SHM_ROOT = "/dev/shm"
 IMAGE_SUFFIX = ".img"
 INDEX_SUFFIX = ".json"
 hits = 0  # loads served from an image in this process (tests and benchmarks read it)
+_mine: set[str] = set()  # owner keys of this process's writers
 
 
 def directory(create: bool = True) -> str | None:
@@ -77,15 +78,19 @@ class SharedArena:
     """A snapshot arena in a shared-memory file: each copy at its offset in the checkpoint
     file (the arena is the file's image). The same interface as :class:`fp_core.arena.Arena`."""
 
-    def __init__(self, path: str, nbytes: int, pin: bool) -> None:
+    def __init__(self, path: str, nbytes: int, pin: bool, allocate: bool = True) -> None:
+        """``allocate``: take every page of the file now (a snapshot fills it all)."""
         self.path = path
         self.pin = pin
         self.huge_bytes = 0
         self.slots: dict[int, torch.Tensor] = {}
         self.fresh = True
         fd = _open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        self.allocated = False
         try:
             os.ftruncate(fd, nbytes)
+            if allocate:
+                self._allocate(fd)
             self._map = mmap.mmap(fd, max(nbytes, 1), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -100,6 +105,28 @@ class SharedArena:
 
             _register(self.buf.data_ptr(), nbytes)
             self._pinned_addr = self.buf.data_ptr()
+
+    def _allocate(self, fd: int) -> None:
+        """Every page of the file now: a shared-memory file system that runs out of room later,
+        under a copy into the mapping, kills the process with SIGBUS instead."""
+        n = self.nbytes if hasattr(self, "buf") else os.fstat(fd).st_size
+        try:
+            if n:
+                os.posix_fallocate(fd, 0, n)
+        except OSError as e:
+            raise OSError(e.errno, f"no room for a {n >> 20} MiB snapshot arena ({e.strerror}); "
+                          f"free {free_bytes(os.path.dirname(self.path)) >> 20} MiB", self.path) from e
+        self.allocated = True
+
+    def allocate(self) -> None:
+        """See :meth:`_allocate` (an arena made for an overlap save, now taken by a snapshot)."""
+        if self.allocated:
+            return
+        fd = _open_private(self.path, os.O_RDWR)
+        try:
+            self._allocate(fd)
+        finally:
+            os.close(fd)
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +157,14 @@ class SharedArena:
         self.buf = torch.empty(0, dtype=torch.uint8)
         with contextlib.suppress(BufferError):  # a tensor still views it: unmapped when that goes
             self._map.close()
+
+
+def free_bytes(d: str) -> int:
+    try:
+        v = os.statvfs(d)
+    except OSError:
+        return 0
+    return v.f_bavail * v.f_frsize
 
 
 def index_path(image: str) -> str:
@@ -196,6 +231,7 @@ def find(path: str | os.PathLike) -> str | None:
         return None
     if d is None:
         return None
+    wait_for_orphans(d)
     try:
         target = os.path.realpath(os.fspath(path))
         ident = _identity(os.stat(target))
@@ -218,22 +254,66 @@ def find(path: str | os.PathLike) -> str | None:
     return None
 
 
-def frozen(image: str) -> bool:
-    """Nobody writes into this image again: the trainer that snapshotted into it is gone
-    (its writer finished the image before recording it)."""
-    pid = owner_pid(os.path.basename(image))
-    return pid is not None and pid != os.getpid() and not _alive(pid)
+LOCK_SUFFIX = ".lock"
 
 
-def owner_pid(name: str) -> int | None:
-    """The trainer pid in an arena's name (``fp-<pid>-<n>.img``)."""
-    parts = name.split("-")
-    if len(parts) >= 3 and parts[0] == "fp" and parts[1].isdigit():
-        return int(parts[1])
+def owner_of(name: str) -> str | None:
+    """The owner key ``fp-<pid>-<token>`` in a file's name (``fp-<pid>-<token>-<n>.img``,
+    its ``.json``, or the owner's ``fp-<pid>-<token>.lock``). The token is new at every
+    start: a restart that gets the same pid (a container's) is another owner."""
+    parts = name.split(".")[0].split("-")
+    if len(parts) >= 3 and parts[0] == "fp" and parts[1].isdigit() and parts[2].isalnum():
+        return "-".join(parts[:3])
     return None
 
 
-def _alive(pid: int) -> bool:
+class OwnerLock:
+    """``fp-<pid>-<token>.lock``, flock'ed for as long as the trainer *or* its writer lives:
+    the writer inherits the descriptor (the same open file, so the same lock). Nobody
+    touches an owner's arenas while its lock is held."""
+
+    def __init__(self, d: str) -> None:
+        import fcntl
+        import secrets
+
+        self.key = f"fp-{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = os.path.join(d, self.key + LOCK_SUFFIX)
+        self.fd = _open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        _mine.add(self.key)
+
+    def release(self) -> None:
+        _mine.discard(self.key)
+        if self.fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _held(d: str, owner: str) -> bool:
+    """Is ``owner``'s lock held (its trainer or its writer still runs)?"""
+    import fcntl
+
+    try:
+        fd = _open_private(os.path.join(d, owner + LOCK_SUFFIX), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _trainer_alive(owner: str) -> bool:
+    if owner in _mine:
+        return True
+    pid = int(owner.split("-")[1])
+    if pid == os.getpid():
+        return False  # an earlier run with our pid (a restarted container): gone
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -243,34 +323,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _in_use(image: str) -> bool:
-    """Does a writer process hold this arena (its trainer gone, its commit still running)?"""
-    import fcntl
+def frozen(image: str) -> bool:
+    """Nobody writes into this image again: its trainer and its writer are both gone."""
+    owner = owner_of(os.path.basename(image))
+    return owner is not None and not _held(os.path.dirname(image), owner)
 
-    try:
-        fd = _open_private(image, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
+
+def wait_for_orphans(d: str, timeout: float = 120.0) -> None:
+    """Wait until no writer whose trainer is gone is still writing (it may be committing the
+    newest checkpoint that a restart is about to look for), at most ``timeout`` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            owners = {owner_of(n) for n in os.listdir(d) if n.endswith(LOCK_SUFFIX)} - {None}
+        except OSError:
+            return
+        busy = [o for o in owners if _held(d, o) and not _trainer_alive(o)]
+        if not busy or time.monotonic() > deadline:
+            if busy:
+                log.warning("fastpersist: the writer processes of %s still run after %.0f s; not waiting longer",
+                            busy, timeout)
+            return
+        time.sleep(0.05)
 
 
 def clean_stale(d: str, superseded_dir: str | None = None) -> None:
-    """Remove arenas of trainers that are gone and hold no committed image; with
-    ``superseded_dir``, also images of gone trainers' checkpoints in that directory (a
-    newer checkpoint has been committed there: a restart would not resume from them)."""
+    """Remove the files of owners whose trainer and writer are both gone (lock not held),
+    but for committed images kept for a restart; with ``superseded_dir``, those images too
+    where their checkpoint is in that directory (a newer one has been committed there)."""
     try:
         names = os.listdir(d)
     except OSError:
         return
+    gone: dict[str, bool] = {}
     for name in names:
-        pid = owner_pid(name)
-        if pid is None or pid == os.getpid() or _alive(pid):
+        owner = owner_of(name)
+        if owner is None:
+            continue
+        if owner not in gone:
+            gone[owner] = not _held(d, owner)
+        if not gone[owner]:
             continue
         full = os.path.join(d, name)
         if name.endswith(INDEX_SUFFIX):
@@ -288,9 +382,9 @@ def clean_stale(d: str, superseded_dir: str | None = None) -> None:
                     if p:
                         with contextlib.suppress(OSError):
                             os.unlink(p)
-        elif name.endswith(IMAGE_SUFFIX) and not os.path.exists(index_path(full)) and not _in_use(full):
+        elif name.endswith(IMAGE_SUFFIX) and not os.path.exists(index_path(full)):
             with contextlib.suppress(OSError):
                 os.unlink(full)
-        elif name.endswith(".tmp"):
+        elif name.endswith((".tmp", LOCK_SUFFIX)):
             with contextlib.suppress(OSError):
                 os.unlink(full)

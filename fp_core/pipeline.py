@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from . import _native, api, memory_guard, optim_hooks, paths
+from . import _native, api, memory_guard, memory_image, optim_hooks, paths
 from .arena import Arena, arena_need
 from .distributed import DEFAULT_TIMEOUT_S
 from .engine import EngineOptions
@@ -78,6 +78,10 @@ from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, mark_ready, snapshot_to_h
 log = logging.getLogger("fastpersist")
 
 POLICIES = ("auto", "overlap", "snapshot")
+
+
+class _NoSharedMemory(Exception):
+    """The writer process's shared-memory directory may not be used (not private)."""
 
 
 class AsyncCheckpointError(CheckpointError):
@@ -497,28 +501,46 @@ class AsyncCheckpointer:
                "sharded (DTensor) state" if api.is_sharded(obj) or layout is not None else
                "extra_files" if extra_files else None)
         if why is None:
-            if self._writer_proc is not None and not self._writer_proc.alive:
-                # gone between saves (killed, crashed): nothing was in its hands
-                log.warning("fastpersist: the checkpoint writer process %d exited (status %s); starting another",
-                            self._writer_proc.pid, self._writer_proc.proc.poll())
-                self._writer_proc.close()
-                self._writer_proc = None
-            if self._writer_proc is None:
-                self._writer_proc = WriterProcess(self.resume_from_memory)
-            # arenas kept for the next saves: one per file of a checkpoint in flight (an HF
-            # checkpoint is several files), not one per save an adapter lets queue
-            job = ProcessSave(obj, path, self._writer_proc, self.options, format=format, metadata=metadata,
-                              keep_arenas=min(self.max_in_flight, 8))
-            if job.plan.file_size <= self.snapshot_budget_bytes or job.live_shareable(self.small_tensor_bytes):
-                return job
-            job.abort()
-            why = (f"a checkpoint over snapshot_budget_bytes={self.snapshot_budget_bytes} whose tensors are not "
-                   "in shared memory")
+            try:
+                job = self._process_job(obj, path, format, metadata)
+            except _NoSharedMemory as e:  # shared memory we may not use: the thread writes it
+                job, why = None, f"no private shared memory ({e})"
+            if job is not None:
+                size = job.plan.file_size
+                job.overlap = ((self.policy == "overlap" or size > self.snapshot_budget_bytes)
+                               and job.live_shareable(self.small_tensor_bytes))
+                if job.overlap or (size <= self.snapshot_budget_bytes and self._writer_proc.has_room(size)):
+                    return job
+                if size > self.snapshot_budget_bytes:
+                    why = (f"a checkpoint over snapshot_budget_bytes={self.snapshot_budget_bytes} whose tensors "
+                           "are not in shared memory")
+                else:
+                    why = (f"{self._writer_proc.dir} has {memory_image.free_bytes(self._writer_proc.dir) >> 20} MiB "
+                           f"free for a {size >> 20} MiB snapshot")
+                job.abort()
         if why not in self._thread_reasons:
             self._thread_reasons.add(why)
             log.warning("fastpersist: writer='process' takes local single-file saves; %s (%s) is written by the "
                         "thread writer", why, path)
         return None
+
+    def _process_job(self, obj: Any, path: Any, format: str, metadata: Any) -> ProcessSave:
+        """The save as a job of the writer process (started now where there is none)."""
+        if self._writer_proc is not None and not self._writer_proc.alive:
+            # gone between saves (killed, crashed): nothing was in its hands
+            log.warning("fastpersist: the checkpoint writer process %d exited (status %s); starting another",
+                        self._writer_proc.pid, self._writer_proc.proc.poll())
+            self._writer_proc.close()
+            self._writer_proc = None
+        if self._writer_proc is None:
+            try:
+                self._writer_proc = WriterProcess(self.resume_from_memory)
+            except PermissionError as e:
+                raise _NoSharedMemory(str(e)) from e
+        # arenas kept for the next saves: one per file of a checkpoint in flight (an HF
+        # checkpoint is several files), not one per save an adapter lets queue
+        return ProcessSave(obj, path, self._writer_proc, self.options, format=format, metadata=metadata,
+                           keep_arenas=min(self.max_in_flight, 8))
 
     def _enqueue(self, prepared: SaveJob, on_commit: Callable[[str, SaveStats], None] | None,
                  t0: float) -> SaveHandle:
@@ -531,9 +553,6 @@ class AsyncCheckpointer:
         if in_process:
             # The writer process reads a snapshot in shared memory, or (overlap, or over the
             # snapshot budget) live tensors that are in shared memory themselves.
-            over = prepared.plan.file_size > self.snapshot_budget_bytes
-            prepared.overlap = ((self.policy == "overlap" or over)
-                                and prepared.live_shareable(self.small_tensor_bytes))
             policy = "overlap" if prepared.overlap else "snapshot"
         else:
             policy = self._choose_policy(sum(s.length for s in storages))
@@ -975,11 +994,13 @@ class AsyncCheckpointer:
         try:
             if policy == "snapshot" and big:
                 t0 = time.perf_counter()
-                if arena is None:
-                    arena = self._take_arena(big, prepared=prepared)
-                    arena.slots = dict(zip(map(id, big), arena.carve(big)))
-                todo = [(s, arena.slots[id(s)]) for s in big if s.host is None]
                 try:
+                    # inside the try: a job that fails here must still run (and tell the
+                    # writer process, or the other ranks, that it will never come)
+                    if arena is None:
+                        arena = self._take_arena(big, prepared=prepared)
+                        arena.slots = dict(zip(map(id, big), arena.carve(big)))
+                    todo = [(s, arena.slots[id(s)]) for s in big if s.host is None]
                     if todo:
                         snapshot_to_host([s for s, _ in todo], [b for _, b in todo])
                     if isinstance(prepared, ProcessSave):

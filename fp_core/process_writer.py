@@ -61,10 +61,17 @@ class WriterProcess:
         self.resume_from_memory = resume_from_memory
         self.dir = memory_image.directory()
         memory_image.clean_stale(self.dir)
+        if os.getpid() == 1:
+            log.warning("fastpersist: this trainer is PID 1 of its PID namespace: when it dies the kernel kills "
+                        "every process in it, the checkpoint writer too; run it under an init (docker run --init, "
+                        "tini) for a save past its fence to survive the trainer")
+        self.lock = memory_image.OwnerLock(self.dir)
         self._seq = itertools.count()
         self._send_lock = threading.Lock()
         self._results: dict[int, tuple] = {}
         self._free: list[memory_image.SharedArena] = []  # arenas not in use, the last image first
+        self._pool_lock = threading.Lock()  # the trainer's thread takes, the worker gives back
+        self._retired: list[memory_image.SharedArena] = []  # handed over, then abandoned: the writer may read them
         self._all: weakref.WeakSet = weakref.WeakSet()
         self._names = itertools.count()
         self._pid = os.getpid()
@@ -77,11 +84,12 @@ class WriterProcess:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "fp_core.writer_main", str(theirs.fileno()), str(os.getpid()),
-                 "1" if resume_from_memory else "0"],
-                pass_fds=[theirs.fileno()], start_new_session=True, stdin=subprocess.DEVNULL,
+                 "1" if resume_from_memory else "0", self.lock.path],
+                pass_fds=[theirs.fileno(), self.lock.fd], start_new_session=True, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, stderr=self._stderr, env=env, cwd=os.getcwd())
         except OSError as e:
             ours.close()
+            self.lock.release()
             raise WriterProcessError(f"cannot start the checkpoint writer process: {e}") from e
         finally:
             theirs.close()
@@ -155,26 +163,48 @@ class WriterProcess:
         return self._gone is None and self.proc.poll() is None
 
     # ------------------------------------------------------------------ arenas
-    def take_arena(self, nbytes: int, pin: bool) -> memory_image.SharedArena:
+    def take_arena(self, nbytes: int, pin: bool, allocate: bool = True) -> memory_image.SharedArena:
         """An arena of exactly ``nbytes`` (the file's size: it becomes its image): a free one
-        of that size (its image, if any, forgotten first), else a new one."""
-        for i, a in enumerate(self._free):
-            if a.nbytes == nbytes and a.pin == pin:
-                del self._free[i]
-                a.forget_image()
-                return a
-        name = f"fp-{self._pid}-{next(self._names)}{memory_image.IMAGE_SUFFIX}"
-        a = memory_image.SharedArena(os.path.join(self.dir, name), nbytes, pin)
+        of that size (its image, if any, forgotten first), else a new one. ``allocate``: its
+        pages taken now (a snapshot's; an overlap save copies only its small tensors)."""
+        with self._pool_lock:
+            for i, a in enumerate(self._free):
+                if a.nbytes == nbytes and a.pin == pin:
+                    del self._free[i]
+                    a.forget_image()
+                    if allocate:
+                        try:
+                            a.allocate()
+                        except BaseException:
+                            a.destroy()
+                            raise
+                    return a
+        name = f"{self.lock.key}-{next(self._names)}{memory_image.IMAGE_SUFFIX}"
+        a = memory_image.SharedArena(os.path.join(self.dir, name), nbytes, pin, allocate=allocate)
         self._all.add(a)
         return a
 
     def give_arena(self, arena: memory_image.SharedArena, keep: int) -> None:
         """Back to the pool, first in line (it holds the newest image); at most ``keep``."""
         arena.slots, arena.fresh = {}, False  # its pages are in: later copies run at memory speed
-        self._free.insert(0, arena)
-        for old in self._free[keep:]:
-            old.destroy()
-        del self._free[keep:]
+        with self._pool_lock:
+            self._free.insert(0, arena)
+            old, self._free[keep:] = self._free[keep:], []
+        for a in old:
+            a.destroy()
+
+    def has_room(self, nbytes: int) -> bool:
+        """Is there a free arena of that size, or room in shared memory for one?"""
+        with self._pool_lock:
+            if any(a.nbytes == nbytes and a.allocated for a in self._free):
+                return True
+        return memory_image.free_bytes(self.dir) >= nbytes
+
+    def retire(self, arena: memory_image.SharedArena) -> None:
+        """An arena a job was handed over with, the job then abandoned here: the writer may
+        still read it, so it is not reused; removed at close."""
+        arena.forget_image()
+        self._retired.append(arena)
 
     # ------------------------------------------------------------------ lifetime
     def close(self, timeout: float = 60.0) -> None:
@@ -193,9 +223,11 @@ class WriterProcess:
             self.conn.close()
         with contextlib.suppress(OSError):
             self._sock.close()
-        for a in [*self._free, *self._all]:
+        for a in [*self._free, *self._retired, *self._all]:
             a.destroy()
         self._free.clear()
+        self._retired.clear()
+        self.lock.release()
         with contextlib.suppress(OSError):
             self._stderr.close()
 
@@ -205,6 +237,10 @@ class WriterProcess:
             os.close(self.conn.fileno())  # not conn.close(): nothing of the parent's is sent or shut
         with contextlib.suppress(OSError):
             os.close(self._sock.detach())
+        self.conn._handle = None  # closed above; the Connection must not close that number again
+        with contextlib.suppress(OSError):
+            os.close(self.lock.fd)  # our copy only: the lock stays the parent's
+        self.lock.fd = -1
         self._gone = "this is a forked child of the process that started the writer"
         self._free.clear()
         self._all = weakref.WeakSet()
@@ -271,7 +307,7 @@ class ProcessSave:
     def take_arena(self) -> memory_image.SharedArena:
         if self.arena is None:
             pin = any(s.source.device.type == "cuda" for s in self.plan.storages)
-            self.arena = self.writer.take_arena(self.plan.file_size, pin)
+            self.arena = self.writer.take_arena(self.plan.file_size, pin, allocate=not self.overlap)
         return self.arena
 
     def handoff(self) -> None:
@@ -345,13 +381,17 @@ class ProcessSave:
         self._failed = error
 
     def abort(self) -> None:
-        if not self.handed:
+        handed = self.handed
+        if not handed:
             self.handed = True  # one skip
             self.writer.skip(self.seq)
         if self.arena is not None:
             arena, self.arena = self.arena, None
-            arena.forget_image()
-            self.writer.give_arena(arena, self.keep_arenas)
+            if handed:  # the writer may be reading it now
+                self.writer.retire(arena)
+            else:
+                arena.forget_image()
+                self.writer.give_arena(arena, self.keep_arenas)
 
 
 def _plan_for_wire(plan: FilePlan) -> FilePlan:

@@ -1,4 +1,4 @@
-"""The writer process's main loop (``python -m fp_core.writer_main SOCKET_FD TRAINER_PID RESUME``).
+"""The writer process's main loop (``python -m fp_core.writer_main SOCKET_FD TRAINER_PID RESUME LOCK``).
 
 It receives jobs from its trainer (:mod:`fp_core.process_writer`) on a receiving thread,
 so a hand-over never waits for a write in progress, and runs them in the order they were
@@ -42,7 +42,7 @@ def _recv(conn: Connection, sock: socket.socket) -> Any:
     return msg
 
 
-def _receive(conn: Connection, trainer_pid: int, inbox: queue.Queue) -> None:
+def _receive(conn: Connection, trainer_pid: int, inbox: queue.SimpleQueue) -> None:
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         pidfd = os.pidfd_open(trainer_pid)
@@ -103,16 +103,12 @@ def _image_rest(plan: Any, view: Any) -> None:
 
 
 def _run(spec: dict, resume: bool, released: Any) -> dict:
-    import fcntl
-
     from fp_core import memory_image
     from fp_core.engine import EngineOptions
     from fp_core.local import LocalSave
     from fp_core.plan import StorageExtent
 
     m, view = memory_image.map_image(spec["image"], spec["size"])
-    lock = os.open(spec["image"], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    fcntl.flock(lock, fcntl.LOCK_SH)  # a clean-up elsewhere leaves an arena in use alone
     maps: list[mmap.mmap] = []
     plan = spec["plan"]
     mapped: dict[int, Any] = {}
@@ -156,7 +152,6 @@ def _run(spec: dict, resume: bool, released: Any) -> dict:
                 pass
         for fd in spec.get("fds", []):
             os.close(fd)
-        os.close(lock)
 
 
 def _failure(e: BaseException) -> dict:
@@ -167,11 +162,16 @@ def _failure(e: BaseException) -> dict:
     return info
 
 
-def _leave(arenas: set[str], resume: bool) -> None:
+def _leave(arenas: set[str], resume: bool, lock: str | None) -> None:
     """The trainer is gone and every job it handed over is done: remove its arenas, but for
-    committed images kept for a restart (``resume``)."""
+    committed images kept for a restart (``resume``), and its owner lock's file."""
     from fp_core import memory_image
 
+    if lock:
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
     for image in arenas:
         if resume and os.path.exists(memory_image.index_path(image)):
             continue
@@ -183,13 +183,12 @@ def _leave(arenas: set[str], resume: bool) -> None:
 
 def main(argv: list[str]) -> int:
     sock_fd, trainer_pid, resume = int(argv[0]), int(argv[1]), argv[2] == "1"
+    lock = argv[3] if len(argv) > 3 else None  # the owner lock's file (its descriptor is inherited, held)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the trainer's to handle
     conn = Connection(sock_fd)
-    inbox: queue.Queue = queue.Queue()
-    stopping = threading.Event()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()  # its put() may run in a signal handler
 
     def on_term(signum: int, frame: Any) -> None:  # finish what is held, then exit
-        stopping.set()
         inbox.put(("close",))
 
     signal.signal(signal.SIGTERM, on_term)
@@ -233,7 +232,7 @@ def main(argv: list[str]) -> int:
                     trainer_here = False
         if closing:
             if not trainer_here:
-                _leave(arenas, resume)
+                _leave(arenas, resume, lock)
             return 0
         msg = inbox.get()
         if msg == GONE:
@@ -248,7 +247,7 @@ def main(argv: list[str]) -> int:
             # a job sent just before the trainer closed or died is already in the inbox
             while True:
                 try:
-                    more = inbox.get_nowait()
+                    more = inbox.get(block=False)
                 except queue.Empty:
                     break
                 if more[0] in ("job", "skip"):

@@ -246,7 +246,7 @@ def test_resume_from_memory_checks_and_falls_back_to_disk(disk_dir, shm_root, ca
 
 
 @pytest.mark.parametrize("kind", ["open", "symlink"])
-def test_a_shared_memory_directory_that_is_not_private_is_refused(disk_dir, shm_root, kind):
+def test_a_shared_memory_directory_that_is_not_private_is_not_used(disk_dir, shm_root, kind, caplog):
     d = os.path.join(shm_root, f"fastpersist-{os.geteuid()}")
     if kind == "open":
         os.mkdir(d)
@@ -255,12 +255,111 @@ def test_a_shared_memory_directory_that_is_not_private_is_refused(disk_dir, shm_
         other = os.path.join(shm_root, "elsewhere")
         os.mkdir(other, 0o700)
         os.symlink(other, d)
+    caplog.set_level(logging.WARNING, "fastpersist")
     with AsyncCheckpointer(writer="process") as ck:
-        with pytest.raises(PermissionError) as ei:
-            ck.save(_state(), os.path.join(disk_dir, "ck.pt"))
-        assert d in str(ei.value) and "FASTPERSIST_SHM_DIR" in str(ei.value)
-    assert not os.path.exists(os.path.join(disk_dir, "ck.pt"))
+        st = _state()
+        stats = ck.save(st, os.path.join(disk_dir, "ck.pt")).result()  # the thread writer takes it
+        assert "writer" not in stats.extra
+    assert _equal(torch.load(os.path.join(disk_dir, "ck.pt"), weights_only=True), st)
+    assert d in caplog.text and "FASTPERSIST_SHM_DIR" in caplog.text and "thread writer" in caplog.text
+    listed = os.listdir(d) if kind == "open" else os.listdir(os.path.join(shm_root, "elsewhere"))
+    assert listed == []  # nothing created there
     assert memory_image.find(os.path.join(disk_dir, "ck.pt")) is None
+
+
+def test_a_shared_memory_too_small_for_the_snapshot_goes_to_the_thread_writer(disk_dir, mount_tmpfs, monkeypatch,
+                                                                              caplog):
+    root = mount_tmpfs("8m", "shm")  # as Docker's default /dev/shm is small: no SIGBUS, no failure
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", root)
+    caplog.set_level(logging.WARNING, "fastpersist")
+    with AsyncCheckpointer(writer="process") as ck:
+        st = {"w": torch.randn(4 << 20)}  # 16 MiB
+        stats = ck.save(st, os.path.join(disk_dir, "big.pt")).result()
+        assert "writer" not in stats.extra
+        small = {"w": torch.randn(1 << 18)}
+        assert ck.save(small, os.path.join(disk_dir, "small.pt")).result().extra["writer"] == "process"
+    assert "MiB free for a 16 MiB snapshot" in caplog.text
+    assert _equal(torch.load(os.path.join(disk_dir, "big.pt")), st)
+    assert _equal(torch.load(os.path.join(disk_dir, "small.pt")), small)
+
+
+def test_arenas_of_an_owner_whose_lock_is_held_are_never_cleaned(shm_root):
+    """A restart's clean-up must leave alone the arenas an orphaned writer still has queued
+    (its trainer is gone, the lock it inherited is held); once the lock goes, they go."""
+    d = memory_image.directory()
+    owner = memory_image.OwnerLock(d)
+    arena = os.path.join(d, f"{owner.key}-0{memory_image.IMAGE_SUFFIX}")
+    open(arena, "wb").close()
+    memory_image.clean_stale(d)
+    assert os.path.exists(arena) and not memory_image.frozen(arena)
+    owner.release()
+    assert memory_image.frozen(arena)
+    memory_image.clean_stale(d)
+    assert _images(shm_root) == []
+
+
+def test_a_restart_with_the_same_pid_is_another_owner(disk_dir, shm_root):
+    """In a container a restarted trainer often gets its predecessor's pid: the image that
+    run kept is found, loaded mapped (its owner is gone), and the new run's arenas do not
+    collide with it."""
+    path = os.path.join(disk_dir, "ck.pt")
+    st = _state()
+    with AsyncCheckpointer(writer="process", resume_from_memory=True) as ck:
+        ck.save(st, path).result()
+        old = ck._writer_proc
+        # what a SIGKILL leaves: the image and its record, the owner's lock let go
+        old._free.clear()
+        old._all = type(old._all)()
+        old.lock.release()
+        image = memory_image.find(path)
+        assert image is not None and memory_image.frozen(image)
+        ck._writer_proc = None  # the "restart" in this same process (same pid)
+        hits = memory_image.hits
+        assert _equal(fp_core.load(path, weights_only=True), st) and memory_image.hits == hits + 1
+        ck.save(_state(1), path).result()  # no FileExistsError on an arena name
+        assert ck._writer_proc.lock.key != old.lock.key
+        old.close()
+    assert _images(shm_root) == []  # the old image was superseded by the new commit; close removed the rest
+
+
+def test_a_failure_before_the_hand_over_does_not_stall_later_saves(disk_dir, shm_root, monkeypatch):
+    """An arena that cannot be had on the writer thread (cpu_work_at_save=False) fails that
+    save; its sequence number is skipped, so the next saves are not held up behind it."""
+    from fp_core.process_writer import WriterProcess
+
+    real = WriterProcess.take_arena
+    calls = {"n": 0}
+
+    def flaky(self, *a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device (injected)")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(WriterProcess, "take_arena", flaky)
+    with AsyncCheckpointer(writer="process", cpu_work_at_save=False) as ck:
+        ck.save(_state(0), os.path.join(disk_dir, "a.pt")).result(60)
+        h = ck.save(_state(1), os.path.join(disk_dir, "b.pt"))
+        with pytest.raises(AsyncCheckpointError):
+            h.result(60)
+        ck.save(_state(2), os.path.join(disk_dir, "c.pt")).result(60)
+    assert not os.path.exists(os.path.join(disk_dir, "b.pt"))
+    assert _equal(torch.load(os.path.join(disk_dir, "c.pt"), weights_only=True), _state(2))
+
+
+def test_a_forked_child_leaves_the_parents_writer_alone(disk_dir, shm_root):
+    with AsyncCheckpointer(writer="process") as ck:
+        ck.save(_state(0), os.path.join(disk_dir, "a.pt")).result()
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker, say: it drops its copies and exits
+            import gc
+
+            ck._writer_proc = None
+            gc.collect()
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        ck.save(_state(1), os.path.join(disk_dir, "b.pt")).result(60)
+    assert _equal(torch.load(os.path.join(disk_dir, "b.pt"), weights_only=True), _state(1))
 
 
 def test_no_writer_is_left_after_an_exception_or_a_plain_exit(disk_dir, shm_root):
