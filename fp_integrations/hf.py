@@ -506,7 +506,9 @@ class FastPersistCallback(TrainerCallback):
             never (the checkpoint appears once written, after ``on_save``).
         **engine_options: fp_core engine options (backend, queue_depth, ...) and other
             ``AsyncCheckpointer`` options (``huge_pages``, ``collapse_live_tensors``,
-            ``snapshot_budget_bytes``, ...).
+            ``snapshot_budget_bytes``, ``writer="process"``: each file written by a writer
+            process, committed even if the trainer dies past the fence; the Trainer's own
+            resume reads from disk).
     """
 
     def __init__(self, trainer: Trainer | None = None, *, policy: str = "auto", max_in_flight: int = 1,

@@ -222,7 +222,9 @@ class _FastPersistIOImpl:
             **options: engine options (``backend``, ``queue_depth``, ``chunk_bytes``,
                 ``copy_threads``, ``io_threads``) and other ``AsyncCheckpointer`` options
                 (``snapshot_budget_bytes``, ``small_tensor_bytes``, ``when_busy``, ``huge_pages``,
-                ``collapse_live_tensors``).
+                ``collapse_live_tensors``, ``writer="process"`` with ``resume_from_memory``: the
+                writer in its own process, a checkpoint past its fence survives the trainer,
+                and ``ckpt_path`` resumes from its shared-memory image after a crash).
         """
         super().__init__()
         self.errors = ErrorPolicy(on_error)
