@@ -1124,8 +1124,8 @@ class AsyncCheckpointer:
         self._give_arena(arena)
 
     def _give_arena(self, arena: Any) -> None:
-        if not isinstance(arena, Arena):
-            return  # a shared-memory arena: its save gives it back to the writer process's pool
+        if isinstance(arena, memory_image.SharedArena):
+            return  # its save gives it back to the writer process's pool
         arena.slots, arena.fresh = {}, False
         with self._cv:
             self._arenas.append(arena)
