@@ -3,8 +3,9 @@
     python benchmarks/resume_from_memory.py --gib 2 --rounds 3 --dir DIR > benchmarks/resume-from-memory.txt
 
 A state of ``--gib`` GiB (float32 tensors of 256 MiB and a few small ones) is saved with
-``AsyncCheckpointer(writer="process", resume_from_memory=True)`` to ``DIR/ckpt.pt``; while its
-image is held, each round times, alternated:
+``AsyncCheckpointer(writer="process", resume_from_memory=True)`` to ``DIR/ckpt.pt`` by a
+trainer that is then SIGKILLed (its image stays); the "restart" (this process) then times,
+alternated over the rounds:
 
 * ``load``: ``fp_core.load`` from the image (every byte checked: verify=True) against the
   file with the page cache dropped first, verify=True and verify=False;
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -51,17 +54,30 @@ def main() -> None:
     os.makedirs(a.dir, exist_ok=True)
     path = os.path.join(a.dir, "ckpt.pt")
     n = int(a.gib * (1 << 30)) // (256 << 20)
+    # The trainer that saved it is killed after its save committed, as a crash would: its
+    # image stays in shared memory for the restart (this process), which nobody writes into
+    # again (so it is loaded mapped).
+    code = ("import os, signal, sys, torch\n"
+            f"sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})\n"
+            "import fp_core\n"
+            "torch.manual_seed(0)\n"
+            f"state = {{f'w{{i}}': torch.randn(64 << 20) for i in range({n})}}\n"
+            "state.update(step=torch.tensor(7), meta={'lr': 1e-4})\n"
+            "ck = fp_core.AsyncCheckpointer(writer='process', resume_from_memory=True)\n"
+            f"ck.save(state, {path!r}).result()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    torch.manual_seed(0)
     state = {f"w{i}": torch.randn(64 << 20) for i in range(n)}
     state.update(step=torch.tensor(7), meta={"lr": 1e-4})
-    ck = fp_core.AsyncCheckpointer(writer="process", resume_from_memory=True)
+    image = memory_image.find(path)
+    assert image is not None and memory_image.frozen(image), "no image left by the killed trainer"
+    size = os.path.getsize(path)
+    target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    rows: dict[str, list[float]] = {}
     try:
-        ck.save(state, path).result()
-        image = memory_image.find(path)
-        assert image is not None, "no image"
-        size = os.path.getsize(path)
-        target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        rows: dict[str, list[float]] = {}
-        for r in range(a.rounds):
+        for r_ in range(a.rounds):
             hits = memory_image.hits
             rows.setdefault("load, memory image (verify)", []).append(timed(lambda: fp_core.load(path)))
             assert memory_image.hits == hits + 1
@@ -77,11 +93,11 @@ def main() -> None:
                 timed(lambda: load_into_file(target, path, verify=True)))
             drop_caches()
             rows.setdefault("load_into, disk (no verify)", []).append(timed(lambda: load_into_file(target, path)))
-            print(f"round {r + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rows.items()),
+            print(f"round {r_ + 1}/{a.rounds}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in rows.items()),
                   flush=True)
         assert all(torch.equal(target[k], state[k]) for k in state if isinstance(state[k], torch.Tensor))
     finally:
-        ck.close()
+        memory_image.clean_stale(memory_image.directory(), superseded_dir=os.path.dirname(os.path.abspath(path)))
     print(f"\ncheckpoint {size / 2**30:.2f} GiB, {a.rounds} rounds alternated, medians "
           f"(page cache dropped before each disk load)")
     print(f"{'':40s} {'s':>7s} {'GB/s':>7s}")

@@ -349,10 +349,10 @@ def wait_for_orphans(d: str, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def clean_stale(d: str, superseded_dir: str | None = None) -> None:
+def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str | None = None) -> None:
     """Remove the files of owners whose trainer and writer are both gone (lock not held),
-    but for committed images kept for a restart; with ``superseded_dir``, those images too
-    where their checkpoint is in that directory (a newer one has been committed there)."""
+    but for committed images kept for a restart; those images too where their checkpoint
+    is ``superseded_final``, or is in ``superseded_dir`` (a newer one has been committed)."""
     try:
         names = os.listdir(d)
     except OSError:
@@ -371,7 +371,8 @@ def clean_stale(d: str, superseded_dir: str | None = None) -> None:
             info = _read_index(full)
             image = os.path.join(d, info["image"]) if info else None
             stale = info is None or not os.path.exists(image) or (
-                superseded_dir is not None and os.path.dirname(info["final"]) == superseded_dir)
+                superseded_dir is not None and os.path.dirname(info["final"]) == superseded_dir) or (
+                info["final"] == superseded_final)
             if not stale:
                 try:
                     stale = _identity(os.stat(info["target"])) != info["identity"]

@@ -99,7 +99,7 @@ class WriterProcess:
         self._released: set[int] = set()
         self.pid = self.proc.pid
         self._gone: str | None = None
-        self.superseded_cleaned = False
+        self.commits = 0  # saves committed by this writer
 
     # ------------------------------------------------------------------ jobs
     def next_seq(self) -> int:
@@ -364,10 +364,15 @@ class ProcessSave:
             self.writer.give_arena(arena, self.keep_arenas)
             raise _wire_error(msg)
         self.writer.give_arena(arena, self.keep_arenas)
-        if self.writer.resume_from_memory and not self.writer.superseded_cleaned:
-            # images a killed run left for its restart: this run has saved newer checkpoints
-            self.writer.superseded_cleaned = True
-            memory_image.clean_stale(self.writer.dir, superseded_dir=os.path.dirname(self.final))
+        self.writer.commits += 1
+        if self.writer.commits <= 2:
+            # Images a killed run left for its restart, now older than what this run commits:
+            # at the first commit those of this file, at the second those of its directory
+            # (by then every rank of the restart has resumed: a rank slower to start than
+            # this one's first save still finds its image).
+            memory_image.clean_stale(self.writer.dir, **(
+                {"superseded_final": self.final} if self.writer.commits == 1
+                else {"superseded_dir": os.path.dirname(self.final)}))
         stats = SaveStats(**{k: v for k, v in msg[2].items() if k != "gbps"})
         stats.path = self.final
         stats.serialize_seconds = self.stats.serialize_seconds

@@ -113,6 +113,17 @@ def disk_dir(tmp_path) -> Iterator[str]:
 
 
 @pytest.fixture
+def shm_root(monkeypatch) -> Iterator[str]:
+    """A shared-memory root of the test's own for the process writer's arenas
+    (``FASTPERSIST_SHM_DIR``; the writer process inherits it), removed afterwards."""
+    d = os.path.join("/dev/shm", "fp-pw-" + uuid.uuid4().hex[:8])
+    os.mkdir(d)
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", d)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def shm_dir() -> Iterator[str]:
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")

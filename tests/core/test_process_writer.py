@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -25,14 +23,6 @@ from process_writer_victim import check, wait_gone  # noqa: E402
 VICTIM = os.path.join(HELPERS, "process_writer_victim.py")
 
 
-@pytest.fixture
-def shm_root(monkeypatch):
-    """A shared-memory root of the test's own (the writer process inherits it)."""
-    d = os.path.join("/dev/shm", "fp-pw-" + uuid.uuid4().hex[:8])
-    os.mkdir(d)
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def _images(root: str) -> list[str]:

@@ -5,11 +5,9 @@ resume from memory onto the device."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 
 import pytest
 import torch
@@ -24,13 +22,6 @@ from process_writer_victim import wait_gone  # noqa: E402
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.fixture
-def shm_root(monkeypatch):
-    d = os.path.join("/dev/shm", "fp-pwc-" + uuid.uuid4().hex[:8])
-    os.mkdir(d)
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_device_state_round_trip_consistent_and_pinned(disk_dir, shm_root):

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import uuid
 
-import pytest
 import torch
 
 HELPERS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers")
@@ -19,15 +16,6 @@ sys.path.insert(0, HELPERS)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp_core  # noqa: E402
-
-
-@pytest.fixture
-def shm_root(monkeypatch):
-    d = os.path.join("/dev/shm", "fp-pwi-" + uuid.uuid4().hex[:8])
-    os.mkdir(d)
-    monkeypatch.setenv("FASTPERSIST_SHM_DIR", d)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def test_lightning_killed_after_a_fence_resumes_last_from_memory(tmp_path, shm_root):
