@@ -33,7 +33,6 @@ SHM_ROOT = "/dev/shm"
 IMAGE_SUFFIX = ".img"
 INDEX_SUFFIX = ".json"
 hits = 0  # loads served from an image in this process (tests and benchmarks read it)
-_mine: set[str] = set()  # owner keys of this process's writers
 
 
 def directory(create: bool = True) -> str | None:
@@ -149,6 +148,10 @@ class SharedArena:
         self.forget_image()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        self.unmap()
+
+    def unmap(self) -> None:
+        """Let go of the mapping (once no tensor views it); the file stays."""
         if self._pinned_addr is not None:
             from .pinned_host import _unregister
 
@@ -255,6 +258,7 @@ def find(path: str | os.PathLike) -> str | None:
 
 
 LOCK_SUFFIX = ".lock"
+ORPHAN_SUFFIX = ".orphan"  # a writer whose trainer is gone, still writing what it was handed
 
 
 def owner_of(name: str) -> str | None:
@@ -280,10 +284,8 @@ class OwnerLock:
         self.path = os.path.join(d, self.key + LOCK_SUFFIX)
         self.fd = _open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
-        _mine.add(self.key)
 
     def release(self) -> None:
-        _mine.discard(self.key)
         if self.fd >= 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
@@ -308,21 +310,6 @@ def _held(d: str, owner: str) -> bool:
         os.close(fd)
 
 
-def _trainer_alive(owner: str) -> bool:
-    if owner in _mine:
-        return True
-    pid = int(owner.split("-")[1])
-    if pid == os.getpid():
-        return False  # an earlier run with our pid (a restarted container): gone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def frozen(image: str) -> bool:
     """Nobody writes into this image again: its trainer and its writer are both gone."""
     owner = owner_of(os.path.basename(image))
@@ -331,16 +318,18 @@ def frozen(image: str) -> bool:
 
 def wait_for_orphans(d: str, timeout: float = 120.0) -> None:
     """Wait until no writer whose trainer is gone is still writing (it may be committing the
-    newest checkpoint that a restart is about to look for), at most ``timeout`` s."""
+    newest checkpoint that a restart is about to look for), at most ``timeout`` s. Such a
+    writer says so itself (``<owner>.orphan``, see :mod:`fp_core.writer_main`): no guess
+    from pids, which another PID namespace sharing ``/dev/shm`` would not show."""
     import time
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            owners = {owner_of(n) for n in os.listdir(d) if n.endswith(LOCK_SUFFIX)} - {None}
+            owners = {owner_of(n) for n in os.listdir(d) if n.endswith(ORPHAN_SUFFIX)} - {None}
         except OSError:
             return
-        busy = [o for o in owners if _held(d, o) and not _trainer_alive(o)]
+        busy = [o for o in owners if _held(d, o)]
         if not busy or time.monotonic() > deadline:
             if busy:
                 log.warning("fastpersist: the writer processes of %s still run after %.0f s; not waiting longer",
@@ -386,6 +375,6 @@ def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str
         elif name.endswith(IMAGE_SUFFIX) and not os.path.exists(index_path(full)):
             with contextlib.suppress(OSError):
                 os.unlink(full)
-        elif name.endswith((".tmp", LOCK_SUFFIX)):
+        elif name.endswith((".tmp", LOCK_SUFFIX, ORPHAN_SUFFIX)):
             with contextlib.suppress(OSError):
                 os.unlink(full)

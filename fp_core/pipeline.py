@@ -53,6 +53,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -223,13 +224,29 @@ _live: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
 
 @atexit.register
 def _drain_at_exit() -> None:
-    """Make every pending save durable before the process ends (or say loudly which failed)."""
+    """Make every pending save durable before the process ends (or say loudly which failed).
+    A process ending on an unhandled exception keeps its shared-memory images (with
+    ``resume_from_memory``): a launcher restarting it resumes from them."""
     for ckpt in list(_live):
         try:
-            ckpt.close()
+            ckpt._close(keep_images=_failing)
         except BaseException as e:  # noqa: BLE001 - at exit there is no caller left to raise to
             log.error("fastpersist: a pending checkpoint failed at process exit: %s", e)
 
+
+_failing = False  # an unhandled exception is ending the interpreter
+
+
+def _note_failure(hook: Any) -> Callable[..., Any]:
+    def excepthook(*args: Any) -> Any:
+        global _failing
+        _failing = True
+        return hook(*args)
+
+    return excepthook
+
+
+sys.excepthook = _note_failure(sys.excepthook)
 
 _drain_registered_in: int | None = None  # the pid whose multiprocessing finalizers drain
 
@@ -347,7 +364,8 @@ class AsyncCheckpointer:
             checkpoint's image in shared memory (``/dev/shm``, its size in RAM) after this
             process ends without closing, so that a restart on this machine loads it from
             there (``fp_core.load``/``load_into``, checked against its checksums) instead
-            of from disk. ``close()`` removes it.
+            of from disk. Kept when this process is killed or ends on an unhandled
+            exception; ``close()`` removes it.
         group, topology, timeout_s: make every save collective over this
             torch.distributed group (every rank calls ``save`` in the same order), as
             ``fp_core.save(..., group=...)``; the collective runs on the worker thread
@@ -791,6 +809,9 @@ class AsyncCheckpointer:
 
     def close(self) -> None:
         """Drain pending work, stop the worker, free the arenas. Raises a pending failure."""
+        self._close()
+
+    def _close(self, keep_images: bool = False) -> None:
         if self._closed:
             return
         try:
@@ -805,7 +826,7 @@ class AsyncCheckpointer:
             self._remove_hook()
             self._arenas.clear()
             if self._writer_proc is not None:
-                self._writer_proc.close()
+                self._writer_proc.close(keep_images=keep_images)
                 self._writer_proc = None
             if self._pool is not None:
                 self._pool.shutdown()

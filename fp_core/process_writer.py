@@ -207,8 +207,10 @@ class WriterProcess:
         self._retired.append(arena)
 
     # ------------------------------------------------------------------ lifetime
-    def close(self, timeout: float = 60.0) -> None:
-        """Stop the writer (after the jobs it holds) and remove every arena of ours."""
+    def close(self, timeout: float = 60.0, keep_images: bool = False) -> None:
+        """Stop the writer (after the jobs it holds) and remove every arena of ours; with
+        ``keep_images``, but for the committed images kept for a restart (the process is
+        ending on an error: a launcher may restart it)."""
         with contextlib.suppress(WriterProcessError):
             self.send(("close",))
         try:
@@ -224,7 +226,10 @@ class WriterProcess:
         with contextlib.suppress(OSError):
             self._sock.close()
         for a in [*self._free, *self._retired, *self._all]:
-            a.destroy()
+            if keep_images and self.resume_from_memory and os.path.exists(memory_image.index_path(a.path)):
+                a.unmap()
+            else:
+                a.destroy()
         self._free.clear()
         self._retired.clear()
         self.lock.release()

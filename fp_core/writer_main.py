@@ -42,7 +42,7 @@ def _recv(conn: Connection, sock: socket.socket) -> Any:
     return msg
 
 
-def _receive(conn: Connection, trainer_pid: int, inbox: queue.SimpleQueue) -> None:
+def _receive(conn: Connection, trainer_pid: int, inbox: queue.SimpleQueue, lock: str | None) -> None:
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         pidfd = os.pidfd_open(trainer_pid)
@@ -69,6 +69,11 @@ def _receive(conn: Connection, trainer_pid: int, inbox: queue.SimpleQueue) -> No
                 pass
             break
     finally:
+        if lock:  # at once, not after the write in progress: a restart's load waits for this writer
+            try:
+                os.close(os.open(_orphan_mark(lock), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            except OSError:
+                pass
         inbox.put(GONE)
 
 
@@ -162,16 +167,23 @@ def _failure(e: BaseException) -> dict:
     return info
 
 
+def _orphan_mark(lock: str) -> str:
+    from fp_core import memory_image
+
+    return lock[: -len(memory_image.LOCK_SUFFIX)] + memory_image.ORPHAN_SUFFIX
+
+
 def _leave(arenas: set[str], resume: bool, lock: str | None) -> None:
     """The trainer is gone and every job it handed over is done: remove its arenas, but for
     committed images kept for a restart (``resume``), and its owner lock's file."""
     from fp_core import memory_image
 
     if lock:
-        try:
-            os.unlink(lock)
-        except OSError:
-            pass
+        for p in (lock, _orphan_mark(lock)):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
     for image in arenas:
         if resume and os.path.exists(memory_image.index_path(image)):
             continue
@@ -198,7 +210,7 @@ def main(argv: list[str]) -> int:
 
         kind, _, err = fault.partition(":")
         _native.inject_fault(kind, errno=int(err) if err else None)
-    threading.Thread(target=_receive, args=(conn, trainer_pid, inbox), daemon=True).start()
+    threading.Thread(target=_receive, args=(conn, trainer_pid, inbox, lock), daemon=True).start()
     import torch  # noqa: F401 - loaded while the first job is still being prepared
 
     held: dict[int, Any] = {}

@@ -172,6 +172,19 @@ def _victim(directory: str, writer: str, when: str, delay_ms: float, mib: int = 
 
 def test_a_trainer_killed_after_the_fence_still_commits(disk_dir, shm_root):
     assert _victim(disk_dir, "process", "after-fence", 0, mib=32) == 2
+
+
+def test_a_restart_loading_at_once_waits_for_the_orphaned_writers_commit(disk_dir, shm_root):
+    """The restart's fp_core.load comes while the killed trainer's writer is still writing
+    the newest checkpoint: it waits for that writer (its orphan mark, its lock) and reads
+    generation 2, not the generation 1 still under the name."""
+    r = subprocess.run([sys.executable, VICTIM, disk_dir, "process", "after-fence", "0", "256"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    got = fp_core.load(os.path.join(disk_dir, "ckpt.pt"), weights_only=True)  # no wait here
+    assert got["gen"] == 2 and bool((got["b"] == 2).all())
+    assert wait_gone(int(open(os.path.join(disk_dir, "writer.pid")).read()), 1)
+    assert _images(shm_root) == []
     assert_no_temps(disk_dir)
     assert _images(shm_root) == []  # without resume_from_memory the orphan leaves nothing
 
@@ -356,7 +369,7 @@ def test_no_writer_is_left_after_an_exception_or_a_plain_exit(disk_dir, shm_root
     code = ("import os, sys, torch\n"
             f"sys.path.insert(0, {os.path.dirname(HELPERS)!r})\n"
             "import fp_core\n"
-            "ck = fp_core.AsyncCheckpointer(writer='process')\n"
+            "ck = fp_core.AsyncCheckpointer(writer='process', resume_from_memory=True)\n"
             f"ck.save({{'w': torch.ones(1 << 20)}}, {os.path.join(disk_dir, 'a.pt')!r})\n"
             "print(ck._writer_proc.pid, flush=True)\n"
             "if sys.argv[1] == 'raise':\n"
@@ -367,6 +380,9 @@ def test_no_writer_is_left_after_an_exception_or_a_plain_exit(disk_dir, shm_root
         pid = int(r.stdout.split()[0])
         assert wait_gone(pid, 10), f"writer {pid} outlived its trainer's {how}"
         assert check_torch(os.path.join(disk_dir, "a.pt"))
+        # an exit on an exception keeps the image for a restart; a plain exit closes it away
+        # (and its first commit dropped the image the failed run left)
+        assert (memory_image.find(os.path.join(disk_dir, "a.pt")) is not None) == (how == "raise")
     assert _images(shm_root) == []
 
 
