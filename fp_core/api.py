@@ -242,6 +242,7 @@ def _from_memory(path: str, image: str, read: Any) -> Any:
     from . import memory_image
 
     memory_image.hits += 1
+    memory_image.loaded.add(image)
     return out
 
 

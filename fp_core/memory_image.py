@@ -33,6 +33,7 @@ SHM_ROOT = "/dev/shm"
 IMAGE_SUFFIX = ".img"
 INDEX_SUFFIX = ".json"
 hits = 0  # loads served from an image in this process (tests and benchmarks read it)
+loaded: set[str] = set()  # images loaded in this process (removed at a clean close, their owner gone)
 
 
 def directory(create: bool = True) -> str | None:
@@ -150,6 +151,23 @@ class SharedArena:
             os.unlink(self.path)
         self.unmap()
 
+    def allocate_ranges(self, ranges: list[tuple[int, int]]) -> None:
+        """Take the pages of these ``(offset, length)`` ranges now (an overlap save copies
+        only its small tensors into the arena): no SIGBUS from a full file system later."""
+        if self.allocated or not ranges:
+            return
+        fd = _open_private(self.path, os.O_RDWR)
+        try:
+            for off, n in ranges:
+                if n:
+                    try:
+                        os.posix_fallocate(fd, off, n)
+                    except OSError as e:
+                        raise OSError(e.errno, f"no room for the snapshot arena's copies ({e.strerror}); free "
+                                      f"{free_bytes(os.path.dirname(self.path)) >> 20} MiB", self.path) from e
+        finally:
+            os.close(fd)
+
     def unmap(self) -> None:
         """Let go of the mapping (once no tensor views it); the file stays."""
         if self._pinned_addr is not None:
@@ -234,9 +252,12 @@ def find(path: str | os.PathLike) -> str | None:
         return None
     if d is None:
         return None
-    wait_for_orphans(d)
     try:
         target = os.path.realpath(os.fspath(path))
+    except OSError:
+        return None
+    wait_for_orphans(d, target)
+    try:
         ident = _identity(os.stat(target))
         names = os.listdir(d)
     except OSError:
@@ -282,8 +303,18 @@ class OwnerLock:
 
         self.key = f"fp-{os.getpid()}-{secrets.token_hex(6)}"
         self.path = os.path.join(d, self.key + LOCK_SUFFIX)
-        self.fd = _open_private(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        # locked under a name no clean-up takes for an owner's, then renamed: a clean-up
+        # between the creation and the flock would find it unlocked and remove it
+        hidden = os.path.join(d, f".creating-{secrets.token_hex(8)}")
+        self.fd = _open_private(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            os.rename(hidden, self.path)
+        except BaseException:
+            os.close(self.fd)
+            with contextlib.suppress(OSError):
+                os.unlink(hidden)
+            raise
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -295,10 +326,14 @@ class OwnerLock:
 
 def _held(d: str, owner: str) -> bool:
     """Is ``owner``'s lock held (its trainer or its writer still runs)?"""
+    return _locked(os.path.join(d, owner + LOCK_SUFFIX))
+
+
+def _locked(path: str) -> bool:
     import fcntl
 
     try:
-        fd = _open_private(os.path.join(d, owner + LOCK_SUFFIX), os.O_RDONLY)
+        fd = _open_private(path, os.O_RDONLY)
     except OSError:
         return False
     try:
@@ -316,26 +351,64 @@ def frozen(image: str) -> bool:
     return owner is not None and not _held(os.path.dirname(image), owner)
 
 
-def wait_for_orphans(d: str, timeout: float = 120.0) -> None:
-    """Wait until no writer whose trainer is gone is still writing (it may be committing the
-    newest checkpoint that a restart is about to look for), at most ``timeout`` s. Such a
-    writer says so itself (``<owner>.orphan``, see :mod:`fp_core.writer_main`): no guess
-    from pids, which another PID namespace sharing ``/dev/shm`` would not show."""
+def _orphan_targets(path: str) -> list[str] | None:
+    """The checkpoints an orphaned writer still commits, or None while it has not said yet."""
+    try:
+        fd = _open_private(path, os.O_RDONLY)
+    except OSError:
+        return []
+    try:
+        data = os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+    if not data:
+        return None
+    try:
+        paths = json.loads(data)
+    except ValueError:
+        return None
+    return [p for p in paths if isinstance(p, str)] if isinstance(paths, list) else None
+
+
+def wait_for_orphans(d: str, target: str | None = None, timeout: float = 120.0) -> None:
+    """Wait until no writer whose trainer is gone is still committing ``target`` (any file,
+    while such a writer has not yet listed what it holds), at most ``timeout`` s: a
+    restart looks for the newest checkpoint. Such a writer says so itself
+    (``<owner>.orphan``, see :mod:`fp_core.writer_main`): no guess from pids, which another
+    PID namespace sharing ``/dev/shm`` would not show."""
     import time
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            owners = {owner_of(n) for n in os.listdir(d) if n.endswith(ORPHAN_SUFFIX)} - {None}
+            marks = [n for n in os.listdir(d) if n.endswith(ORPHAN_SUFFIX) and owner_of(n)]
         except OSError:
             return
-        busy = [o for o in owners if _held(d, o)]
+        busy = []
+        for n in marks:
+            owner = owner_of(n)
+            if not _held(d, owner):
+                continue
+            pending = _orphan_targets(os.path.join(d, n))
+            if pending is None or target is None or target in pending:
+                busy.append(owner)
         if not busy or time.monotonic() > deadline:
             if busy:
                 log.warning("fastpersist: the writer processes of %s still run after %.0f s; not waiting longer",
                             busy, timeout)
             return
         time.sleep(0.05)
+
+
+def drop_loaded() -> None:
+    """Remove the images this process loaded whose owner is gone (a clean end of the run
+    that resumed from them: nobody needs them any more)."""
+    for image in list(loaded):
+        loaded.discard(image)
+        if frozen(image):
+            for p in (index_path(image), image):
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
 
 
 def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str | None = None) -> None:
@@ -348,6 +421,10 @@ def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str
         return
     gone: dict[str, bool] = {}
     for name in names:
+        if name.startswith(".creating-") and not _locked(os.path.join(d, name)):
+            with contextlib.suppress(OSError):  # an owner lock whose creator died before naming it
+                os.unlink(os.path.join(d, name))
+            continue
         owner = owner_of(name)
         if owner is None:
             continue

@@ -229,24 +229,19 @@ def _drain_at_exit() -> None:
     ``resume_from_memory``): a launcher restarting it resumes from them."""
     for ckpt in list(_live):
         try:
-            ckpt._close(keep_images=_failing)
+            ckpt._close(keep_images=_failing())
         except BaseException as e:  # noqa: BLE001 - at exit there is no caller left to raise to
             log.error("fastpersist: a pending checkpoint failed at process exit: %s", e)
 
 
-_failing = False  # an unhandled exception is ending the interpreter
-
-
-def _note_failure(hook: Any) -> Callable[..., Any]:
-    def excepthook(*args: Any) -> Any:
-        global _failing
-        _failing = True
-        return hook(*args)
-
-    return excepthook
-
-
-sys.excepthook = _note_failure(sys.excepthook)
+def _failing() -> bool:
+    """Is an unhandled exception ending the interpreter? (It sets ``sys.last_value`` as it
+    prints the error, before the exit handlers run; an interactive session's errors and a
+    ^C are not a failed run.)"""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return False
+    last = getattr(sys, "last_value", None)
+    return last is not None and not isinstance(last, (KeyboardInterrupt, SystemExit))
 
 _drain_registered_in: int | None = None  # the pid whose multiprocessing finalizers drain
 
@@ -527,7 +522,8 @@ class AsyncCheckpointer:
                 size = job.plan.file_size
                 job.overlap = ((self.policy == "overlap" or size > self.snapshot_budget_bytes)
                                and job.live_shareable(self.small_tensor_bytes))
-                if job.overlap or (size <= self.snapshot_budget_bytes and self._writer_proc.has_room(size)):
+                copied = sum(n for _, n in job.copied_ranges()) if job.overlap else size
+                if (job.overlap or size <= self.snapshot_budget_bytes) and self._writer_proc.has_room(copied):
                     return job
                 if size > self.snapshot_budget_bytes:
                     why = (f"a checkpoint over snapshot_budget_bytes={self.snapshot_budget_bytes} whose tensors "
@@ -553,7 +549,7 @@ class AsyncCheckpointer:
         if self._writer_proc is None:
             try:
                 self._writer_proc = WriterProcess(self.resume_from_memory)
-            except PermissionError as e:
+            except (OSError, CheckpointError) as e:  # no /dev/shm, not ours, no process
                 raise _NoSharedMemory(str(e)) from e
         # arenas kept for the next saves: one per file of a checkpoint in flight (an HF
         # checkpoint is several files), not one per save an adapter lets queue

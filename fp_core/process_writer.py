@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import itertools
 import logging
 import os
@@ -100,6 +101,7 @@ class WriterProcess:
         self.pid = self.proc.pid
         self._gone: str | None = None
         self.commits = 0  # saves committed by this writer
+        self.dirs: set[str] = set()  # the directories they went to
 
     # ------------------------------------------------------------------ jobs
     def next_seq(self) -> int:
@@ -180,7 +182,17 @@ class WriterProcess:
                             raise
                     return a
         name = f"{self.lock.key}-{next(self._names)}{memory_image.IMAGE_SUFFIX}"
-        a = memory_image.SharedArena(os.path.join(self.dir, name), nbytes, pin, allocate=allocate)
+        try:
+            a = memory_image.SharedArena(os.path.join(self.dir, name), nbytes, pin, allocate=allocate)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM) or not self._free:
+                raise
+            # free arenas of other sizes (an image kept for a restart among them) make room
+            with self._pool_lock:
+                old, self._free = self._free, []
+            for f in old:
+                f.destroy()
+            a = memory_image.SharedArena(os.path.join(self.dir, name), nbytes, pin, allocate=allocate)
         self._all.add(a)
         return a
 
@@ -194,11 +206,13 @@ class WriterProcess:
             a.destroy()
 
     def has_room(self, nbytes: int) -> bool:
-        """Is there a free arena of that size, or room in shared memory for one?"""
+        """Is there a free arena of that size, or room in shared memory for one (the free
+        arenas of other sizes counted: they go to make room)?"""
         with self._pool_lock:
             if any(a.nbytes == nbytes and a.allocated for a in self._free):
                 return True
-        return memory_image.free_bytes(self.dir) >= nbytes
+            reclaimable = sum(a.nbytes for a in self._free if a.allocated)
+        return memory_image.free_bytes(self.dir) + reclaimable >= nbytes
 
     def retire(self, arena: memory_image.SharedArena) -> None:
         """An arena a job was handed over with, the job then abandoned here: the writer may
@@ -230,6 +244,12 @@ class WriterProcess:
                 a.unmap()
             else:
                 a.destroy()
+        if not keep_images:
+            # a clean end: the images a killed run left that this run resumed from, or that
+            # are in the directories it saved into, are not needed by anyone any more
+            memory_image.drop_loaded()
+            for d in self.dirs:
+                memory_image.clean_stale(self.dir, superseded_dir=d)
         self._free.clear()
         self._retired.clear()
         self.lock.release()
@@ -292,13 +312,27 @@ class ProcessSave:
         self.arena: memory_image.SharedArena | None = None
         self.handed = False
         self.overlap = False  # set by the pipeline: large tensors read from their shared memory
+        self.small = 0  # tensors of at most this many bytes are copied, never read live
         self.reads_live = False
         self._failed: BaseException | None = None
         self._t0 = t0
 
+    def copied_ranges(self) -> list[tuple[int, int]]:
+        """The file ranges an overlap save copies into its arena (every tensor not read live)."""
+        return [(s.offset, s.length) for s in self.plan.storages if not self._live(s)]
+
+    def _live(self, s: Any) -> bool:
+        return (s.length > self.small and s.source_on_cpu and s.source.untyped_storage().is_shared())
+
     def live_shareable(self, small: int) -> bool:
         """Can the writer read every tensor over ``small`` bytes from live memory? (CPU
-        tensors in shared memory, ``share_memory_()``: it maps their descriptors.)"""
+        tensors in shared memory, ``share_memory_()``: it maps their descriptors; torch's
+        ``file_descriptor`` sharing strategy only.)"""
+        import torch.multiprocessing
+
+        self.small = small
+        if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+            return False
         for s in self.plan.storages:
             if s.length <= small:
                 continue
@@ -313,6 +347,13 @@ class ProcessSave:
         if self.arena is None:
             pin = any(s.source.device.type == "cuda" for s in self.plan.storages)
             self.arena = self.writer.take_arena(self.plan.file_size, pin, allocate=not self.overlap)
+            if self.overlap:
+                try:
+                    self.arena.allocate_ranges(self.copied_ranges())
+                except BaseException:
+                    arena, self.arena = self.arena, None
+                    self.writer.give_arena(arena, self.keep_arenas)
+                    raise
         return self.arena
 
     def handoff(self) -> None:
@@ -370,6 +411,7 @@ class ProcessSave:
             raise _wire_error(msg)
         self.writer.give_arena(arena, self.keep_arenas)
         self.writer.commits += 1
+        self.writer.dirs.add(os.path.dirname(self.final))
         if self.writer.commits <= 2:
             # Images a killed run left for its restart, now older than what this run commits:
             # at the first commit those of this file, at the second those of its directory

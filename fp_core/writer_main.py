@@ -173,6 +173,26 @@ def _orphan_mark(lock: str) -> str:
     return lock[: -len(memory_image.LOCK_SUFFIX)] + memory_image.ORPHAN_SUFFIX
 
 
+def _say_pending(lock: str | None, held: dict) -> None:
+    """List in the orphan mark the checkpoints still to commit (a restart's load waits only
+    for those)."""
+    if not lock:
+        return
+    import json
+
+    pending = [os.path.realpath(spec["path"]) for kind, spec in held.values() if kind == "job"]
+    mark = _orphan_mark(lock)
+    try:
+        fd = os.open(mark + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, json.dumps(pending).encode())
+        finally:
+            os.close(fd)
+        os.replace(mark + ".tmp", mark)
+    except OSError:
+        pass
+
+
 def _leave(arenas: set[str], resume: bool, lock: str | None) -> None:
     """The trainer is gone and every job it handed over is done: remove its arenas, but for
     committed images kept for a restart (``resume``), and its owner lock's file."""
@@ -266,6 +286,8 @@ def main(argv: list[str]) -> int:
                     held[more[1]] = (more[0], more[2] if more[0] == "job" else None)
                     if more[0] == "job":
                         arenas.add(more[2]["image"])
+            if not trainer_here:
+                _say_pending(lock, held)
 
 
 if __name__ == "__main__":

@@ -431,3 +431,41 @@ def test_overlap_reads_tensors_in_shared_memory_until_the_fence(disk_dir, shm_ro
         stats = ck.save(st, os.path.join(disk_dir, "private.pt")).result()
         assert stats.policy == "snapshot" and _equal(torch.load(os.path.join(disk_dir, "private.pt")), st)
     assert_no_temps(disk_dir)
+
+
+def test_small_shared_memory_overlap_and_a_bigger_snapshot_make_room(disk_dir, mount_tmpfs, monkeypatch):
+    """A small /dev/shm (Docker's): an overlap save copies only its small tensors there
+    (their pages taken first: no SIGBUS), and a snapshot that fits only once the free arena
+    of another size is dropped gets that room."""
+    root = mount_tmpfs("8m", "shm")
+    monkeypatch.setenv("FASTPERSIST_SHM_DIR", root)
+    big = torch.randn(6 << 20).share_memory_()  # 24 MiB, read in place
+    st = {"big": big, "small": torch.arange(1000)}
+    with AsyncCheckpointer(writer="process", policy="overlap") as ck:
+        stats = ck.save(st, os.path.join(disk_dir, "ov.pt")).result()
+        assert stats.policy == "overlap" and stats.extra["writer"] == "process"
+    assert _equal(torch.load(os.path.join(disk_dir, "ov.pt")), st)
+    with AsyncCheckpointer(writer="process") as ck:
+        a = {"w": torch.randn(5 << 18)}  # 5 MiB
+        b = {"w": torch.randn(6 << 18)}  # 6 MiB: fits once a's arena is gone
+        assert ck.save(a, os.path.join(disk_dir, "a.pt")).result().extra["writer"] == "process"
+        assert ck.save(b, os.path.join(disk_dir, "b.pt")).result().extra["writer"] == "process"
+    assert _equal(torch.load(os.path.join(disk_dir, "b.pt")), b)
+
+
+def test_a_clean_end_of_the_restart_drops_the_image_it_resumed_from(disk_dir, shm_root):
+    code = ("import os, signal, sys, torch\n"
+            f"sys.path.insert(0, {os.path.dirname(HELPERS)!r})\n"
+            "import fp_core\n"
+            "ck = fp_core.AsyncCheckpointer(writer='process', resume_from_memory=True)\n"
+            f"ck.save({{'w': torch.ones(1 << 20)}}, {os.path.join(disk_dir, 'old', 'a.pt')!r}).result()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    os.mkdir(os.path.join(disk_dir, "old"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert memory_image.find(os.path.join(disk_dir, "old", "a.pt")) is not None
+    with AsyncCheckpointer(writer="process", resume_from_memory=True) as ck:
+        got = fp_core.load(os.path.join(disk_dir, "old", "a.pt"))
+        ck.save(got, os.path.join(disk_dir, "new.pt")).result()  # elsewhere: the old image stays meanwhile
+        assert memory_image.find(os.path.join(disk_dir, "old", "a.pt")) is not None
+    assert _images(shm_root) == []  # the clean close dropped the image it resumed from
