@@ -25,8 +25,8 @@ ALL_ROWS = SAVE_ROWS + LOAD_ROWS
 # The training benchmark's modes (fp_core.tools.bench_async), in run order inside a round (each
 # mode between two no-checkpoint runs): the fp_core modes first, the modes that leave dirty page
 # cache behind (torch.save without O_DIRECT) last.
-MODES = ("none", "disk", "auto", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "overlap_huge", "process", "torch",
-         "lightning", "dcp")
+MODES = ("none", "disk", "auto", "overlap", "snapshot", "overlap_bg", "snapshot_bg", "overlap_huge", "snapshot_4k",
+         "process", "torch", "lightning", "dcp")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # --dtype: torch.<name>
 
 # The engine options both benchmarks pass on to fp_core (--backend ... --io-threads).

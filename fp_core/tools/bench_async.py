@@ -21,6 +21,8 @@ checkpoint after every optimizer step, with each of these side by side in one pr
 * ``overlap_huge``  overlap with ``collapse_live_tensors=True``: the live tensors are
                  moved onto huge pages once (in the first round; they stay there, so it
                  runs only beside ``none`` and ``disk``; compare with another run)
+* ``snapshot_4k`` snapshot with ``huge_pages=False``: the arena on 4 KiB pages, as the
+                 process writer's shared-memory arena is where shmem THP is off
 * ``process``    AsyncCheckpointer(policy='snapshot', writer='process'): the writer in a
                  process of its own, snapshots in shared memory (its first save also starts
                  the process: a warm-up cost)
@@ -90,6 +92,7 @@ LABELS = {
     "overlap_bg": "  overlap, CPU work in the background",
     "snapshot_bg": "  snapshot, CPU work in the background",
     "overlap_huge": "  overlap, live tensors moved to huge pages",
+    "snapshot_4k": "  snapshot, arena on 4 KiB pages",
     "process": "fp_core AsyncCheckpointer(writer='process')",
 }
 HUGE_PAGE = 2 << 20
@@ -345,11 +348,12 @@ class DcpAsync(Mode):
 class FastPersistAsync(Mode):
     def __init__(self, path: str, policy: str, engine_options: dict[str, Any],
                  cpu_work_at_save: bool | None = None, collapse_live_tensors: bool = False,
-                 writer: str = "thread") -> None:
+                 writer: str = "thread", huge_pages: bool = True) -> None:
         super().__init__(path)
         from ..pipeline import AsyncCheckpointer
         self.ckpt = AsyncCheckpointer(policy=policy, cpu_work_at_save=cpu_work_at_save,
-                                      collapse_live_tensors=collapse_live_tensors, writer=writer, **engine_options)
+                                      collapse_live_tensors=collapse_live_tensors, writer=writer,
+                                      huge_pages=huge_pages, **engine_options)
         inner = self.ckpt.fence
 
         def timed_fence() -> None:  # the optimizer pre-hook calls self.fence()
@@ -387,6 +391,8 @@ def run_mode(mode_name: str, tr: Trainer, workdir: str, iters: int, warmup: int,
         mode = DcpAsync(path)
     elif mode_name == "overlap_huge":
         mode = FastPersistAsync(path, "overlap", engine_options, collapse_live_tensors=True)
+    elif mode_name == "snapshot_4k":
+        mode = FastPersistAsync(path, "snapshot", engine_options, huge_pages=False)
     elif mode_name == "process":
         mode = FastPersistAsync(path, "snapshot", engine_options, writer="process")
     elif mode_name in BACKGROUND_MODES:

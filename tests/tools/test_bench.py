@@ -472,3 +472,15 @@ def test_a_4k_row_without_its_memory_fails_alone(tmp_path, monkeypatch):
     rows = {r["key"]: r for r in res["rows"]}
     assert "no memory for the 4 KiB row" in rows["load_device_4k"]["error"]
     assert not rows["load_device"]["error"] and len(rows["load_device"]["seconds"]) == 1
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_async_bench_runs_the_process_writer_and_a_python_heavy_step(tmp_path, shm_root):
+    res = _bench(["--async", "--dir", str(tmp_path / "a"), "--modes", "none,snapshot_4k,process", "--iters", "2",
+                  "--warmup", "1", "--rounds", "1", "--width", "64", "--layers", "2", "--batch", "8",
+                  "--python-ops", "50"], cwd=str(tmp_path))
+    modes = {m["mode"]: m for m in res["modes"]}
+    assert modes["process"]["fp_stats"]["policies"] == ["snapshot"] * 3
+    assert modes["snapshot_4k"]["fp_stats"]["policy"] == "snapshot"
+    assert modes["process"]["label"] == "fp_core AsyncCheckpointer(writer='process')"
+    assert os.listdir(os.path.join(shm_root, f"fastpersist-{os.geteuid()}")) == []  # the writer closed with its row
