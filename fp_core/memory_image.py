@@ -109,14 +109,18 @@ class SharedArena:
     def _allocate(self, fd: int) -> None:
         """Every page of the file now: a shared-memory file system that runs out of room later,
         under a copy into the mapping, kills the process with SIGBUS instead."""
-        n = self.nbytes if hasattr(self, "buf") else os.fstat(fd).st_size
-        try:
-            if n:
-                os.posix_fallocate(fd, 0, n)
-        except OSError as e:
-            raise OSError(e.errno, f"no room for a {n >> 20} MiB snapshot arena ({e.strerror}); "
-                          f"free {free_bytes(os.path.dirname(self.path)) >> 20} MiB", self.path) from e
+        self._fallocate(fd, 0, self.nbytes if hasattr(self, "buf") else os.fstat(fd).st_size)
         self.allocated = True
+
+    def _fallocate(self, fd: int, off: int, n: int) -> None:
+        """posix_fallocate, its ENOSPC saying how much room there is."""
+        if not n:
+            return
+        try:
+            os.posix_fallocate(fd, off, n)
+        except OSError as e:
+            raise OSError(e.errno, f"no room for {n >> 20} MiB of a snapshot arena ({e.strerror}); free "
+                          f"{free_bytes(os.path.dirname(self.path)) >> 20} MiB", self.path) from e
 
     def allocate(self) -> None:
         """See :meth:`_allocate` (an arena made for an overlap save, now taken by a snapshot)."""
@@ -159,12 +163,7 @@ class SharedArena:
         fd = _open_private(self.path, os.O_RDWR)
         try:
             for off, n in ranges:
-                if n:
-                    try:
-                        os.posix_fallocate(fd, off, n)
-                    except OSError as e:
-                        raise OSError(e.errno, f"no room for the snapshot arena's copies ({e.strerror}); free "
-                                      f"{free_bytes(os.path.dirname(self.path)) >> 20} MiB", self.path) from e
+                self._fallocate(fd, off, n)
         finally:
             os.close(fd)
 
@@ -225,7 +224,7 @@ def record(image: str, final: str, target: str) -> None:
 def _read_index(path: str) -> dict | None:
     try:
         fd = _open_private(path, os.O_RDONLY)
-    except (OSError, PermissionError):
+    except OSError:
         return None
     try:
         data = os.read(fd, 1 << 16)

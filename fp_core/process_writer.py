@@ -406,10 +406,9 @@ class ProcessSave:
             self.abort()
             raise
         arena, self.arena = self.arena, None
-        if msg[0] == "failed":
-            self.writer.give_arena(arena, self.keep_arenas)
-            raise _wire_error(msg)
         self.writer.give_arena(arena, self.keep_arenas)
+        if msg[0] == "failed":
+            raise _wire_error(msg)
         self.writer.commits += 1
         self.writer.dirs.add(os.path.dirname(self.final))
         if self.writer.commits <= 2:
