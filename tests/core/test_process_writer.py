@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -181,9 +182,18 @@ def test_a_restart_loading_at_once_waits_for_the_orphaned_writers_commit(disk_di
     r = subprocess.run([sys.executable, VICTIM, disk_dir, "process", "after-fence", "0", "256"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    got = fp_core.load(os.path.join(disk_dir, "ckpt.pt"), weights_only=True)  # no wait here
+    # The writer notices the death within milliseconds (pidfd) and marks itself; a restart
+    # takes seconds to start. Here the load comes at once: first let the writer notice (its
+    # mark appears), or finish (it is gone), whichever comes first, without waiting for it.
+    writer = int(open(os.path.join(disk_dir, "writer.pid")).read())
+    d = os.path.join(shm_root, f"fastpersist-{os.geteuid()}")
+    deadline = time.monotonic() + 10
+    while (not any(n.endswith(memory_image.ORPHAN_SUFFIX) for n in os.listdir(d))
+           and not wait_gone(writer, 0) and time.monotonic() < deadline):
+        time.sleep(0.001)
+    got = fp_core.load(os.path.join(disk_dir, "ckpt.pt"), weights_only=True)  # it waits for the commit
     assert got["gen"] == 2 and bool((got["b"] == 2).all())
-    assert wait_gone(int(open(os.path.join(disk_dir, "writer.pid")).read()), 1)
+    assert wait_gone(writer, 1)
     assert _images(shm_root) == []
     assert_no_temps(disk_dir)
     assert _images(shm_root) == []  # without resume_from_memory the orphan leaves nothing
