@@ -277,8 +277,9 @@ def find(path: str | os.PathLike) -> str | None:
     return None
 
 
-LOCK_SUFFIX = ".lock"
-ORPHAN_SUFFIX = ".orphan"  # a writer whose trainer is gone, still writing what it was handed
+LOCK_SUFFIX = ".lock"  # held by the trainer and its writer (the writer inherits it)
+TRAINER_SUFFIX = ".live"  # held by the trainer alone: free once it is gone, at once
+JOB_SUFFIX = ".job"  # a job handed to the writer and not yet done: the checkpoint it commits
 
 
 def owner_of(name: str) -> str | None:
@@ -294,7 +295,9 @@ def owner_of(name: str) -> str | None:
 class OwnerLock:
     """``fp-<pid>-<token>.lock``, flock'ed for as long as the trainer *or* its writer lives:
     the writer inherits the descriptor (the same open file, so the same lock). Nobody
-    touches an owner's arenas while its lock is held."""
+    touches an owner's arenas while its lock is held. Beside it ``fp-<pid>-<token>.live``,
+    flock'ed by the trainer alone: the kernel frees it the moment the trainer dies, before
+    its writer can notice, so a restart knows at once which writers are orphans."""
 
     def __init__(self, d: str) -> None:
         import fcntl
@@ -314,13 +317,54 @@ class OwnerLock:
             with contextlib.suppress(OSError):
                 os.unlink(hidden)
             raise
+        self.trainer_path = os.path.join(d, self.key + TRAINER_SUFFIX)
+        self.trainer_fd = -1
+        try:
+            self.trainer_fd = _open_private(self.trainer_path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            fcntl.flock(self.trainer_fd, fcntl.LOCK_EX)
+        except BaseException:
+            self.release()
+            raise
 
     def release(self) -> None:
+        if self.trainer_fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.trainer_path)
+            os.close(self.trainer_fd)
+            self.trainer_fd = -1
         if self.fd >= 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
             os.close(self.fd)
             self.fd = -1
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: our copies only (the locks stay the parent's)."""
+        for fd in (self.fd, self.trainer_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.fd = self.trainer_fd = -1
+
+
+def job_mark(image: str) -> str:
+    """The mark of the job an arena is handed over with (``fp-<pid>-<token>-<n>.job``)."""
+    return image[: -len(IMAGE_SUFFIX)] + JOB_SUFFIX
+
+
+def mark_job(image: str, target: str) -> None:
+    """Say, before the hand-over, which checkpoint the arena's job commits: a restart's load
+    of that file waits for it if the trainer dies (the writer removes the mark when done)."""
+    fd = _open_private(job_mark(image), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, os.path.realpath(target).encode())
+    finally:
+        os.close(fd)
+
+
+def unmark_job(image: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(job_mark(image))
 
 
 def _held(d: str, owner: str) -> bool:
@@ -350,51 +394,44 @@ def frozen(image: str) -> bool:
     return owner is not None and not _held(os.path.dirname(image), owner)
 
 
-def _orphan_targets(path: str) -> list[str] | None:
-    """The checkpoints an orphaned writer still commits, or None while it has not said yet."""
+def _job_target(path: str) -> str | None:
     try:
         fd = _open_private(path, os.O_RDONLY)
     except OSError:
-        return []
+        return None
     try:
-        data = os.read(fd, 1 << 20)
+        return os.read(fd, 1 << 16).decode(errors="replace")
     finally:
         os.close(fd)
-    if not data:
-        return None
-    try:
-        paths = json.loads(data)
-    except ValueError:
-        return None
-    return [p for p in paths if isinstance(p, str)] if isinstance(paths, list) else None
 
 
 def wait_for_orphans(d: str, target: str | None = None, timeout: float = 120.0) -> None:
-    """Wait until no writer whose trainer is gone is still committing ``target`` (any file,
-    while such a writer has not yet listed what it holds), at most ``timeout`` s: a
-    restart looks for the newest checkpoint. Such a writer says so itself
-    (``<owner>.orphan``, see :mod:`fp_core.writer_main`): no guess from pids, which another
-    PID namespace sharing ``/dev/shm`` would not show."""
+    """Wait until no writer whose trainer is gone still has a job for ``target`` (for any
+    file when None), at most ``timeout`` s: a restart looks for the newest checkpoint. An
+    orphan is a writer whose owner lock is held while its trainer's ``.live`` lock is not
+    (free the moment the trainer dies); its jobs are the ``.job`` marks the trainer wrote
+    before each hand-over. No guess from pids, which another PID namespace sharing
+    ``/dev/shm`` would not show."""
     import time
 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            marks = [n for n in os.listdir(d) if n.endswith(ORPHAN_SUFFIX) and owner_of(n)]
+            marks = [n for n in os.listdir(d) if n.endswith(JOB_SUFFIX) and owner_of(n)]
         except OSError:
             return
-        busy = []
+        busy = set()
         for n in marks:
             owner = owner_of(n)
-            if not _held(d, owner):
+            if owner in busy or not _held(d, owner) or _locked(os.path.join(d, owner + TRAINER_SUFFIX)):
                 continue
-            pending = _orphan_targets(os.path.join(d, n))
-            if pending is None or target is None or target in pending:
-                busy.append(owner)
+            job = _job_target(os.path.join(d, n))
+            if job is not None and (target is None or job == target):
+                busy.add(owner)
         if not busy or time.monotonic() > deadline:
             if busy:
                 log.warning("fastpersist: the writer processes of %s still run after %.0f s; not waiting longer",
-                            busy, timeout)
+                            sorted(busy), timeout)
             return
         time.sleep(0.05)
 
@@ -451,6 +488,6 @@ def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str
         elif name.endswith(IMAGE_SUFFIX) and not os.path.exists(index_path(full)):
             with contextlib.suppress(OSError):
                 os.unlink(full)
-        elif name.endswith((".tmp", LOCK_SUFFIX, ORPHAN_SUFFIX)):
+        elif name.endswith((".tmp", LOCK_SUFFIX, TRAINER_SUFFIX, JOB_SUFFIX)):
             with contextlib.suppress(OSError):
                 os.unlink(full)

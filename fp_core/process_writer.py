@@ -263,9 +263,7 @@ class WriterProcess:
         with contextlib.suppress(OSError):
             os.close(self._sock.detach())
         self.conn._handle = None  # closed above; the Connection must not close that number again
-        with contextlib.suppress(OSError):
-            os.close(self.lock.fd)  # our copy only: the lock stays the parent's
-        self.lock.fd = -1
+        self.lock.forget_after_fork()
         self._gone = "this is a forked child of the process that started the writer"
         self._free.clear()
         self._all = weakref.WeakSet()
@@ -389,7 +387,12 @@ class ProcessSave:
             "options": dataclasses.asdict(self.options),
             "plan": _plan_for_wire(self.plan), "live": live, "nfds": len(fds),
         }
-        self.writer.send(("job", self.seq, spec), fds)
+        memory_image.mark_job(arena.path, self.final)
+        try:
+            self.writer.send(("job", self.seq, spec), fds)
+        except BaseException:
+            memory_image.unmark_job(arena.path)
+            raise
         self.handed = True
         self.reads_live = bool(live)
 

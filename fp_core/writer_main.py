@@ -42,7 +42,7 @@ def _recv(conn: Connection, sock: socket.socket) -> Any:
     return msg
 
 
-def _receive(conn: Connection, trainer_pid: int, inbox: queue.SimpleQueue, lock: str | None) -> None:
+def _receive(conn: Connection, trainer_pid: int, inbox: queue.SimpleQueue) -> None:
     sock = socket.socket(fileno=os.dup(conn.fileno()))
     try:
         pidfd = os.pidfd_open(trainer_pid)
@@ -69,11 +69,6 @@ def _receive(conn: Connection, trainer_pid: int, inbox: queue.SimpleQueue, lock:
                 pass
             break
     finally:
-        if lock:  # at once, not after the write in progress: a restart's load waits for this writer
-            try:
-                os.close(os.open(_orphan_mark(lock), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-            except OSError:
-                pass
         inbox.put(GONE)
 
 
@@ -167,39 +162,13 @@ def _failure(e: BaseException) -> dict:
     return info
 
 
-def _orphan_mark(lock: str) -> str:
-    from fp_core import memory_image
-
-    return lock[: -len(memory_image.LOCK_SUFFIX)] + memory_image.ORPHAN_SUFFIX
-
-
-def _say_pending(lock: str | None, held: dict) -> None:
-    """List in the orphan mark the checkpoints still to commit (a restart's load waits only
-    for those)."""
-    if not lock:
-        return
-    import json
-
-    pending = [os.path.realpath(spec["path"]) for kind, spec in held.values() if kind == "job"]
-    mark = _orphan_mark(lock)
-    try:
-        fd = os.open(mark + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, json.dumps(pending).encode())
-        finally:
-            os.close(fd)
-        os.replace(mark + ".tmp", mark)
-    except OSError:
-        pass
-
-
 def _leave(arenas: set[str], resume: bool, lock: str | None) -> None:
     """The trainer is gone and every job it handed over is done: remove its arenas, but for
     committed images kept for a restart (``resume``), and its owner lock's file."""
     from fp_core import memory_image
 
     if lock:
-        for p in (lock, _orphan_mark(lock)):
+        for p in (lock, lock[: -len(memory_image.LOCK_SUFFIX)] + memory_image.TRAINER_SUFFIX):
             try:
                 os.unlink(p)
             except OSError:
@@ -230,8 +199,10 @@ def main(argv: list[str]) -> int:
 
         kind, _, err = fault.partition(":")
         _native.inject_fault(kind, errno=int(err) if err else None)
-    threading.Thread(target=_receive, args=(conn, trainer_pid, inbox, lock), daemon=True).start()
+    threading.Thread(target=_receive, args=(conn, trainer_pid, inbox), daemon=True).start()
     import torch  # noqa: F401 - loaded while the first job is still being prepared
+
+    from fp_core import memory_image
 
     held: dict[int, Any] = {}
     arenas: set[str] = set()  # every arena a job named: removed when the trainer is gone
@@ -257,6 +228,7 @@ def main(argv: list[str]) -> int:
                 report = ("done", seq, _run(spec, resume, released))
             except BaseException as e:  # noqa: BLE001 - reported to the trainer, never dropped
                 report = ("failed", seq, _failure(e))
+            memory_image.unmark_job(spec["image"])  # a restart's load no longer waits for it
             if trainer_here:
                 try:
                     conn.send(report)
@@ -286,8 +258,6 @@ def main(argv: list[str]) -> int:
                     held[more[1]] = (more[0], more[2] if more[0] == "job" else None)
                     if more[0] == "job":
                         arenas.add(more[2]["image"])
-            if not trainer_here:
-                _say_pending(lock, held)
 
 
 if __name__ == "__main__":

@@ -177,20 +177,14 @@ def test_a_trainer_killed_after_the_fence_still_commits(disk_dir, shm_root):
 
 def test_a_restart_loading_at_once_waits_for_the_orphaned_writers_commit(disk_dir, shm_root):
     """The restart's fp_core.load comes while the killed trainer's writer is still writing
-    the newest checkpoint: it waits for that writer (its orphan mark, its lock) and reads
+    the newest checkpoint: it waits for that writer (its job's mark, the locks) and reads
     generation 2, not the generation 1 still under the name."""
     r = subprocess.run([sys.executable, VICTIM, disk_dir, "process", "after-fence", "0", "256"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
-    # The writer notices the death within milliseconds (pidfd) and marks itself; a restart
-    # takes seconds to start. Here the load comes at once: first let the writer notice (its
-    # mark appears), or finish (it is gone), whichever comes first, without waiting for it.
+    # At once, before the writer can have noticed the death: the trainer's own lock is free
+    # the moment it died, and the job's mark says which file its writer still commits.
     writer = int(open(os.path.join(disk_dir, "writer.pid")).read())
-    d = os.path.join(shm_root, f"fastpersist-{os.geteuid()}")
-    deadline = time.monotonic() + 10
-    while (not any(n.endswith(memory_image.ORPHAN_SUFFIX) for n in os.listdir(d))
-           and not wait_gone(writer, 0) and time.monotonic() < deadline):
-        time.sleep(0.001)
     got = fp_core.load(os.path.join(disk_dir, "ckpt.pt"), weights_only=True)  # it waits for the commit
     assert got["gen"] == 2 and bool((got["b"] == 2).all())
     assert wait_gone(writer, 1)
@@ -307,6 +301,38 @@ def test_arenas_of_an_owner_whose_lock_is_held_are_never_cleaned(shm_root):
     assert os.path.exists(arena) and not memory_image.frozen(arena)
     owner.release()
     assert memory_image.frozen(arena)
+    memory_image.clean_stale(d)
+    assert _images(shm_root) == []
+
+
+def test_a_restart_waits_only_for_an_orphans_jobs_on_its_file(shm_root, caplog):
+    """Which writers a restart's load waits for: an owner lock held (a writer still runs),
+    its trainer's own lock free (the trainer is gone), and a job mark naming that file.
+    A live trainer's writer, or a job for another file, is not waited for."""
+    d = memory_image.directory()
+    owner = memory_image.OwnerLock(d)
+    image = os.path.join(d, f"{owner.key}-0{memory_image.IMAGE_SUFFIX}")
+    mine, other = os.path.realpath("/x/ckpt.pt"), os.path.realpath("/x/other.pt")
+    memory_image.mark_job(image, mine)
+
+    def waited(target, timeout=0.4):
+        t0 = time.monotonic()
+        memory_image.wait_for_orphans(d, target, timeout=timeout)
+        return time.monotonic() - t0 >= timeout
+
+    try:
+        assert not waited(mine)  # the trainer is alive: its writer is no orphan
+        os.close(owner.trainer_fd)  # the trainer dies (its writer still holds the owner lock)
+        owner.trainer_fd = -1
+        assert waited(mine) and "still run" in caplog.text
+        assert waited(None)  # a restart that does not know its file waits for any job
+        assert not waited(other)
+        memory_image.unmark_job(image)  # the writer committed it
+        assert not waited(mine)
+        memory_image.mark_job(image, mine)
+    finally:
+        owner.release()  # the writer is gone too: nothing to wait for, its mark is stale
+    assert not waited(mine)
     memory_image.clean_stale(d)
     assert _images(shm_root) == []
 
