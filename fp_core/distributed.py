@@ -208,6 +208,20 @@ class CollectiveSave:
             self.plan_error = e
         self.stats.serialize_seconds = time.perf_counter() - self.t0
 
+    @classmethod
+    def from_plan(cls, plan: FilePlan | None, path: str | os.PathLike, *, plan_error: BaseException | None,
+                  cg: Any, topology: Any, options: EngineOptions) -> CollectiveSave:
+        """A save laid out elsewhere (the writer process: ``plan``'s storages in its
+        shared-memory arena, or ``plan_error``, the trainer's failure to make one), run over
+        the coordination group ``cg`` (the writers' own)."""
+        self = cls.__new__(cls)
+        self.t0 = time.perf_counter()
+        self.opts, self.topology, self.cg = options, topology, cg
+        self.final = os.path.abspath(os.fspath(path))
+        self.stats = SaveStats(path=self.final)
+        self.plan, self.plan_error = plan, plan_error
+        return self
+
     def fail(self, error: BaseException) -> None:
         """Carry a local failure into ``run``, which reports it to every rank."""
         self.plan, self.plan_error = None, error

@@ -51,6 +51,7 @@ Errors in the background are never dropped: each is raised once, at the next ``s
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import sys
@@ -72,7 +73,7 @@ from .errors import CheckpointError
 from .fence_cut import FenceCut
 from .job import SaveJob
 from .plan import StorageExtent
-from .process_writer import WRITERS, ProcessSave, WriterProcess
+from .process_writer import WRITERS, ProcessCollectiveSave, ProcessSave, WriterProcess, join_writers
 from .stats import SaveStats
 from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, mark_ready, snapshot_to_host, stage_cpu
 
@@ -390,6 +391,9 @@ class AsyncCheckpointer:
         self.writer = writer
         self.resume_from_memory = resume_from_memory
         self._writer_proc: WriterProcess | None = None
+        # the writer process in the writers' group for collective saves: None before the
+        # first collective save, False where they stay on the thread writer
+        self._writers_joined: WriterProcess | bool | None = None
         self._thread_reasons: set[str] = set()  # saves kept on the thread writer, logged once each
         self.policy = policy
         self.max_in_flight = max_in_flight
@@ -509,11 +513,17 @@ class AsyncCheckpointer:
         if self.writer != "process":
             return None
         is_remote, _ = paths.split(path)
+        collective = self.group is not None and not local
         why = ("a remote URL" if is_remote or storage_options else
-               "a collective save" if self.group is not None and not local else
                "sharded (DTensor) state" if api.is_sharded(obj) or layout is not None else
-               "extra_files" if extra_files else None)
-        if why is None:
+               "extra_files" if extra_files else
+               "a collective save in another format than torch's" if collective and format != "torch" else None)
+        if why is None and collective:
+            job = self._collective_process_job(obj, path)
+            if job is not None:
+                return job
+            why = "a collective save (not every rank has a writer process, or the group is not the whole world)"
+        elif why is None:
             try:
                 job = self._process_job(obj, path, format, metadata)
             except _NoSharedMemory as e:  # shared memory we may not use: the thread writes it
@@ -538,6 +548,54 @@ class AsyncCheckpointer:
                         "thread writer", why, path)
         return None
 
+    def _collective_process_job(self, obj: Any, path: Any) -> ProcessCollectiveSave | None:
+        """A collective save run by the writer processes (every rank takes the same route:
+        decided together at the first collective save, :func:`join_writers`), or None."""
+        if self._writers_joined is None:
+            import torch.distributed as dist
+
+            ranks = sorted(dist.get_process_group_ranks(self.group))
+            try:
+                if self._writer_proc is None or not self._writer_proc.alive:
+                    self._start_writer()
+            except _NoSharedMemory as e:
+                log.warning("fastpersist: no writer process on this rank (%s)", e)
+            seq = join_writers(self._writer_proc, ranks, self.timeout_s)
+            self._writers_joined = self._writer_proc if seq is not None else False
+        if self._writers_joined is False:
+            return None
+        if self._writer_proc is not self._writers_joined or not self._writer_proc.alive:
+            from .distributed import CollectiveSaveError
+
+            pid = self._writers_joined.pid
+            raise CollectiveSaveError(
+                f"collective save of {path}: this rank's checkpoint writer process (pid {pid}) is gone, and with "
+                "it the writers' group; no collective save can be made in this run with writer='process' "
+                "(restart the run, or use writer='thread')")
+        job = ProcessCollectiveSave(obj, path, self._writer_proc, self.options, topology=self.topology,
+                                    keep_arenas=min(self.max_in_flight, 8))
+        if job.plan is not None:
+            size = job.plan.file_size
+            if size > self.snapshot_budget_bytes:
+                job.fail(CheckpointError(
+                    f"{job.final}: a collective checkpoint of {size >> 20} MiB is over snapshot_budget_bytes="
+                    f"{self.snapshot_budget_bytes}; writer='process' snapshots collective saves into shared memory "
+                    "(raise snapshot_budget_bytes, or use writer='thread')"))
+            elif not self._writer_proc.has_room(size):
+                job.fail(OSError(errno.ENOSPC, f"{self._writer_proc.dir} has "
+                                 f"{memory_image.free_bytes(self._writer_proc.dir) >> 20} MiB free for a "
+                                 f"{size >> 20} MiB snapshot of a collective save", job.final))
+        return job
+
+    def _start_writer(self) -> None:
+        if self._writer_proc is not None:
+            self._writer_proc.close()
+            self._writer_proc = None
+        try:
+            self._writer_proc = WriterProcess(self.resume_from_memory)
+        except (OSError, CheckpointError) as e:  # no /dev/shm, not ours, no process
+            raise _NoSharedMemory(str(e)) from e
+
     def _process_job(self, obj: Any, path: Any, format: str, metadata: Any) -> ProcessSave:
         """The save as a job of the writer process (started now where there is none)."""
         if self._writer_proc is not None and not self._writer_proc.alive:
@@ -547,10 +605,7 @@ class AsyncCheckpointer:
             self._writer_proc.close()
             self._writer_proc = None
         if self._writer_proc is None:
-            try:
-                self._writer_proc = WriterProcess(self.resume_from_memory)
-            except (OSError, CheckpointError) as e:  # no /dev/shm, not ours, no process
-                raise _NoSharedMemory(str(e)) from e
+            self._start_writer()
         # arenas kept for the next saves: one per file of a checkpoint in flight (an HF
         # checkpoint is several files), not one per save an adapter lets queue
         return ProcessSave(obj, path, self._writer_proc, self.options, format=format, metadata=metadata,
@@ -646,6 +701,25 @@ class AsyncCheckpointer:
             raise RuntimeError("decline() needs an AsyncCheckpointer with a group")
         from .distributed import decline
 
+        if self._writers_joined:
+            # the peers wait in their writers' group: writer 0 answers there, in its job order
+            writer = self._writer_proc
+            if writer is not self._writers_joined:
+                from .distributed import CollectiveSaveError
+
+                raise CollectiveSaveError("decline(): this rank's checkpoint writer process is gone, and with it "
+                                          "the writers' group")
+            seq = writer.next_seq()
+            writer.send(("decline", seq, {}))
+
+            def declined() -> None:
+                msg = writer.result(seq)
+                if msg[0] == "failed":
+                    from .process_writer import _wire_error
+
+                    raise _wire_error(msg)
+
+            return self.enqueue(declined, after=[])
         return self.enqueue(decline, self.group, self.timeout_s, after=[])
 
     def enqueue(self, fn: Callable[..., Any], *args: Any, after: Iterable[Handle] | None = None,

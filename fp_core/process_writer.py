@@ -276,6 +276,10 @@ def _wire_error(msg: tuple) -> BaseException:
     err: BaseException
     if info.get("errno") is not None:
         err = OSError(info["errno"], info.get("strerror") or text, info.get("filename"))
+    elif kind == "CollectiveSaveError":
+        from .distributed import CollectiveSaveError
+
+        err = CollectiveSaveError(text)
     elif isinstance(getattr(errors, kind, None), type) and issubclass(getattr(errors, kind), CheckpointError):
         err = getattr(errors, kind)(text)
     else:
@@ -289,17 +293,19 @@ class ProcessSave:
     """A local save written by the writer process (a SaveJob; see :mod:`fp_core.job`)."""
 
     collective = False
+    kind = "job"  # the message the writer gets
+
+    def _more_spec(self) -> dict:
+        return {}
 
     def __init__(self, obj: Any, path: str | os.PathLike, writer: WriterProcess, options: EngineOptions,
                  format: str = "torch", metadata: dict[str, str] | None = None, keep_arenas: int = 1) -> None:
         t0 = time.perf_counter()
-        self.writer, self.options, self.keep_arenas = writer, options, keep_arenas
-        self.final = os.path.abspath(os.fspath(path))
+        self._setup(path, writer, options, keep_arenas, t0)
         self.target = commit.check_target(os.fspath(path))
-        self.stats = SaveStats(path=self.final)
         try:
-            self.plan: FilePlan = (build(obj, ALIGNMENT) if format == "torch"
-                                   else build_safetensors(obj, ALIGNMENT, metadata))
+            self.plan: FilePlan | None = (build(obj, ALIGNMENT) if format == "torch"
+                                          else build_safetensors(obj, ALIGNMENT, metadata))
         except (OSError, MemoryError, KeyboardInterrupt):
             raise
         except Exception as e:
@@ -307,6 +313,12 @@ class ProcessSave:
                 f"cannot serialise the checkpoint for {self.final}: {type(e).__name__}: {e}") from e
         self.stats.serialize_seconds = self.plan.serialize_seconds = time.perf_counter() - t0
         self.seq = writer.next_seq()
+
+    def _setup(self, path: str | os.PathLike, writer: WriterProcess, options: EngineOptions, keep_arenas: int,
+               t0: float) -> None:
+        self.writer, self.options, self.keep_arenas = writer, options, keep_arenas
+        self.final = os.path.abspath(os.fspath(path))
+        self.stats = SaveStats(path=self.final)
         self.arena: memory_image.SharedArena | None = None
         self.handed = False
         self.overlap = False  # set by the pipeline: large tensors read from their shared memory
@@ -385,11 +397,11 @@ class ProcessSave:
         spec = {
             "final": self.final, "path": self.final, "image": arena.path, "size": self.plan.file_size,
             "options": dataclasses.asdict(self.options),
-            "plan": _plan_for_wire(self.plan), "live": live, "nfds": len(fds),
+            "plan": _plan_for_wire(self.plan), "live": live, "nfds": len(fds), **self._more_spec(),
         }
         memory_image.mark_job(arena.path, self.final)
         try:
-            self.writer.send(("job", self.seq, spec), fds)
+            self.writer.send((self.kind, self.seq, spec), fds)
         except BaseException:
             memory_image.unmark_job(arena.path)
             raise
@@ -448,6 +460,143 @@ class ProcessSave:
                 self.writer.give_arena(arena, self.keep_arenas)
 
 
+class ProcessCollectiveSave(ProcessSave):
+    """A collective save (``group=``) run by the writer processes among themselves.
+
+    The trainer lays out and snapshots its copy of the state as any process save does; its
+    writer then runs the whole protocol of :class:`fp_core.distributed.CollectiveSave`
+    with the other ranks' writers, over their own gloo group (:func:`join_writers`). So a
+    trainer killed after its fence does not fail the save: its writer still writes its
+    share and takes part in the commit. A local failure (no layout, no snapshot) is still
+    handed over, as a job that carries it, so that every writer fails the save together
+    instead of waiting for this one.
+    """
+
+    collective = True
+    kind = "collective"
+
+    def __init__(self, obj: Any, path: str | os.PathLike, writer: WriterProcess, options: EngineOptions, *,
+                 topology: Any = "replica", keep_arenas: int = 1) -> None:
+        from .local import MIN_ALIGNMENT
+
+        t0 = time.perf_counter()
+        self._setup(path, writer, options, keep_arenas, t0)
+        self.topology = topology
+        self.plan = None
+        self.plan_error: BaseException | None = None
+        try:
+            self.plan = build(obj, MIN_ALIGNMENT)
+            self.stats.serialize_seconds = self.plan.serialize_seconds = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - handed over, so every rank fails together
+            self.plan_error = e
+        self.seq = writer.next_seq()
+
+    def _more_spec(self) -> dict:
+        return {"topology": self.topology}
+
+    def _local_error(self) -> BaseException | None:
+        return self._failed or self.plan_error
+
+    def handoff(self) -> None:
+        if self.handed:
+            return
+        if self._local_error() is None:
+            try:
+                super().handoff()
+                return
+            except WriterProcessError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the peers hear of it below
+                self._failed = e
+        self._hand_over_failure()
+
+    def _hand_over_failure(self) -> None:
+        e = self._local_error()
+        spec = {"final": self.final, "path": self.final, "plan": None, "topology": self.topology,
+                "options": dataclasses.asdict(self.options), "live": {}, "nfds": 0,
+                "error": f"{type(e).__name__}: {e}", "serialize": e is self.plan_error}
+        self.handed = True
+        self.writer.send((self.kind, self.seq, spec))
+
+    def run(self, on_body_written: Any = None) -> SaveStats:
+        try:
+            self.handoff()
+            if on_body_written is not None:
+                on_body_written()  # a snapshot: nothing of this process's memory is read
+            msg = self.writer.result(self.seq)
+        except BaseException:
+            self.abort()
+            raise
+        if self.arena is not None:
+            arena, self.arena = self.arena, None
+            self.writer.give_arena(arena, self.keep_arenas)
+        local = self._local_error()
+        if local is not None:  # this rank's own failure, as it was raised here
+            if local is self.plan_error:
+                raise CheckpointSerializationError(
+                    f"cannot serialise the checkpoint for {self.final}: {type(local).__name__}: {local}") from local
+            raise local
+        if msg[0] == "failed":
+            raise _wire_error(msg)
+        self.writer.commits += 1
+        stats = SaveStats(**{k: v for k, v in msg[2].items() if k != "gbps"})
+        stats.path = self.final
+        stats.serialize_seconds = self.stats.serialize_seconds
+        stats.policy, stats.blocked_seconds = self.stats.policy, self.stats.blocked_seconds
+        stats.extra = {**self.stats.extra, **stats.extra, "writer": "process"}
+        stats.seconds = time.perf_counter() - self._t0
+        self.stats = stats
+        return stats
+
+    def abort(self) -> None:
+        if not self.handed:  # the peers' writers are waiting for this one: tell them
+            if self._local_error() is None:
+                self._failed = CheckpointError(f"the collective save of {self.final} was abandoned on this rank")
+            with contextlib.suppress(WriterProcessError):
+                self._hand_over_failure()
+        super().abort()
+
+
+_joins = itertools.count()  # writers' groups joined by this process: the same order on every rank
+
+
+def join_writers(writer: WriterProcess | None, ranks: list[int], timeout_s: float) -> int | None:
+    """Make the writer processes of every rank a gloo group of their own, for collective
+    saves (called by every rank, on the caller's thread, at the same save).
+
+    The ranks first agree, through the trainers' default store (no collective on a group
+    the background thread may be using), that every one of them has a writer process
+    (``writer`` is None where this rank could not start one) and that the save's group is
+    the whole world. If so, rank 0 picks the port its writer will host the writers' store
+    on, and every rank hands its writer a ``join``, in its job order. Returns the join's
+    sequence number, or None: collective saves stay on the thread writer, on every rank."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    key = f"fastpersist/writers/{next(_joins)}"
+    can = writer is not None and writer.alive and ranks == list(range(world))
+    if rank == 0 and can:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+        store.set(f"{key}/addr", f"{host}:{port}")
+    store.set(f"{key}/ok/{rank}", "1" if can else "0")
+    store.wait([f"{key}/ok/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+    if not all(store.get(f"{key}/ok/{r}") == b"1" for r in range(world)):
+        return None
+    assert writer is not None
+    addr = store.get(f"{key}/addr").decode()
+    seq = writer.next_seq()
+    writer.send(("join", seq, {"addr": addr, "rank": rank, "world": world, "timeout": timeout_s,
+                               "prefix": key}))
+    return seq
+
+
 def _plan_for_wire(plan: FilePlan) -> FilePlan:
     """The plan without tensors: each extent's bytes are in the arena at its offset."""
     wire = dataclasses.replace(plan, storages=[], cut=None)
@@ -455,4 +604,4 @@ def _plan_for_wire(plan: FilePlan) -> FilePlan:
     return wire
 
 
-__all__ = ["WriterProcess", "ProcessSave", "WriterProcessError", "WRITERS"]
+__all__ = ["WriterProcess", "ProcessSave", "ProcessCollectiveSave", "WriterProcessError", "WRITERS", "join_writers"]

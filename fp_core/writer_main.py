@@ -27,12 +27,20 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 GONE = ("gone",)
+SEQUENCED = ("job", "skip", "join", "collective", "decline")  # run in the order the trainer numbered them
+
+
+def _hold(held: dict, arenas: set, msg: tuple) -> None:
+    spec = msg[2] if len(msg) > 2 else None
+    held[msg[1]] = (msg[0], spec)
+    if spec and spec.get("image"):
+        arenas.add(spec["image"])
 
 
 def _recv(conn: Connection, sock: socket.socket) -> Any:
     """One message; a job's descriptors of live tensors come right behind it."""
     msg = conn.recv()
-    if msg[0] == "job" and msg[2].get("nfds"):
+    if msg[0] in ("job", "collective") and msg[2].get("nfds"):
         _, fds, _, _ = socket.recv_fds(sock, 1, msg[2]["nfds"])
         if len(fds) != msg[2]["nfds"]:
             for fd in fds:
@@ -154,6 +162,84 @@ def _run(spec: dict, resume: bool, released: Any) -> dict:
             os.close(fd)
 
 
+def _join(spec: dict) -> tuple:
+    """Form the writers' gloo group (one writer per rank; writer 0 hosts its store, which
+    must outlive trainer 0). A writer stays in one group for its life."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            raise RuntimeError("this writer is already in a writers' group")
+        host, port = spec["addr"].rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=spec["timeout"])
+        store = dist.TCPStore(host, int(port), spec["world"], is_master=spec["rank"] == 0, timeout=timeout,
+                              wait_for_workers=False)
+        dist.init_process_group("gloo", store=dist.PrefixStore(spec["prefix"], store), rank=spec["rank"],
+                                world_size=spec["world"], timeout=timeout)
+        return ("ok", store)
+    except Exception as e:  # noqa: BLE001 - every collective job of this writer fails with it
+        return ("failed", f"{type(e).__name__}: {e}")
+
+
+def _in_group(group: Any) -> None:
+    from fp_core.distributed import CollectiveSaveError
+
+    if group is None:
+        raise CollectiveSaveError("this rank's checkpoint writer process was never joined to the writers' group")
+    if group[0] != "ok":
+        raise CollectiveSaveError(f"this rank's checkpoint writer process could not join the writers' group: "
+                                  f"{group[1]}")
+
+
+def _run_collective(spec: dict, group: Any) -> dict:
+    """This rank's part of a collective save, run with the other ranks' writers: the
+    protocol of :class:`fp_core.distributed.CollectiveSave`, on the snapshot in the arena."""
+    import torch.distributed as dist
+
+    from fp_core import memory_image
+    from fp_core.distributed import CollectiveSave
+    from fp_core.engine import EngineOptions
+    from fp_core.errors import CheckpointError, CheckpointSerializationError
+    from fp_core.plan import StorageExtent
+
+    _in_group(group)
+    plan, m, view = spec["plan"], None, None
+    if plan is not None:
+        m, view = memory_image.map_image(spec["image"], spec["size"])
+        plan.storages = [StorageExtent(off, n, view[off: off + n], rec, host_crcs=crcs, record_start=rs)
+                         for off, n, rec, rs, crcs in plan.storages]
+    error = spec.get("error")
+    plan_error = (None if error is None else
+                  CheckpointSerializationError(error) if spec.get("serialize") else CheckpointError(error))
+    job = CollectiveSave.from_plan(plan, spec["final"], plan_error=plan_error, cg=dist.group.WORLD,
+                                   topology=spec["topology"], options=EngineOptions(**spec["options"]))
+    try:
+        return job._run(None).as_dict()
+    finally:
+        if plan is not None:
+            plan.storages = []
+        del view
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:  # a view still alive: unmapped when it goes
+                pass
+
+
+def _decline(group: Any) -> dict:
+    """Writer 0: answer the other writers, waiting in a collective save that trainer 0
+    writes alone (:func:`fp_core.distributed.decline`)."""
+    import torch.distributed as dist
+
+    from fp_core.distributed import _DECLINED, _broadcast
+
+    _in_group(group)
+    _broadcast((True, "", _DECLINED), dist.group.WORLD)
+    return {}
+
+
 def _failure(e: BaseException) -> dict:
     info: dict[str, Any] = {"type": type(e).__name__, "message": str(e),
                             "traceback": "".join(traceback.format_exception(e))[-4000:]}
@@ -205,6 +291,7 @@ def main(argv: list[str]) -> int:
     from fp_core import memory_image
 
     held: dict[int, Any] = {}
+    group: Any = None  # the writers' group for collective saves: ("ok", store) or ("failed", why)
     arenas: set[str] = set()  # every arena a job named: removed when the trainer is gone
     next_seq = 0
     trainer_here = True
@@ -217,6 +304,9 @@ def main(argv: list[str]) -> int:
             seq, next_seq = next_seq, next_seq + 1
             if kind == "skip":
                 continue
+            if kind == "join":
+                group = _join(spec)  # no report: a failure is that of every later collective job
+                continue
             def released(seq: int = seq) -> None:
                 if trainer_here:  # noqa: B023 - read now: the trainer may be gone since
                     try:
@@ -225,10 +315,16 @@ def main(argv: list[str]) -> int:
                         pass
 
             try:
-                report = ("done", seq, _run(spec, resume, released))
+                if kind == "collective":
+                    report = ("done", seq, _run_collective(spec, group))
+                elif kind == "decline":
+                    report = ("done", seq, _decline(group))
+                else:
+                    report = ("done", seq, _run(spec, resume, released))
             except BaseException as e:  # noqa: BLE001 - reported to the trainer, never dropped
                 report = ("failed", seq, _failure(e))
-            memory_image.unmark_job(spec["image"])  # a restart's load no longer waits for it
+            if spec and spec.get("image"):
+                memory_image.unmark_job(spec["image"])  # a restart's load no longer waits for it
             if trainer_here:
                 try:
                     conn.send(report)
@@ -237,16 +333,21 @@ def main(argv: list[str]) -> int:
         if closing:
             if not trainer_here:
                 _leave(arenas, resume, lock)
+            if group is not None and group[0] == "ok":
+                import torch.distributed as dist
+
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    pass
             return 0
         msg = inbox.get()
         if msg == GONE:
             trainer_here, closing = False, True
         elif msg[0] == "close":
             closing = True
-        elif msg[0] in ("job", "skip"):
-            held[msg[1]] = (msg[0], msg[2] if msg[0] == "job" else None)
-            if msg[0] == "job":
-                arenas.add(msg[2]["image"])
+        elif msg[0] in SEQUENCED:
+            _hold(held, arenas, msg)
         if closing:
             # a job sent just before the trainer closed or died is already in the inbox
             while True:
@@ -254,10 +355,8 @@ def main(argv: list[str]) -> int:
                     more = inbox.get(block=False)
                 except queue.Empty:
                     break
-                if more[0] in ("job", "skip"):
-                    held[more[1]] = (more[0], more[2] if more[0] == "job" else None)
-                    if more[0] == "job":
-                        arenas.add(more[2]["image"])
+                if more[0] in SEQUENCED:
+                    _hold(held, arenas, more)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""A rank of a collective save run by the writer processes (tests/core/test_process_writer_collective.py).
+
+``python process_writer_collective.py RANK WORLD PORT DIR SCENARIO``
+
+Every rank holds the same state (a data-parallel replica, every byte encoding its
+generation) and saves it with ``AsyncCheckpointer(writer="process", group=WORLD)``; the
+writers run the collective save among themselves. Each rank writes ``DIR/result{rank}.json``.
+
+* ``together``: two collective saves (both writers write a share), a save that fails on one
+  rank only (an unpicklable object there: every rank fails, the file keeps generation 2),
+  rank 0 declining one save that it writes alone, and one more collective save.
+* ``kill-after-fence``: rank 1 SIGKILLs itself right after generation 2's save and fence;
+  rank 0's save must still commit (rank 1's orphaned writer does its share).
+* ``writer-killed``: rank 1's writer is SIGKILLed between saves: the next collective save
+  fails on every rank with an error that says so, and generation 1 stays.
+* ``no-shared-memory-on-1``: rank 1 may not use shared memory: every rank's collective
+  saves stay on the thread writer (one route for all), and they succeed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import fp_core  # noqa: E402
+
+
+def state(gen: int) -> dict:
+    return {"w": torch.full((3 << 18,), float(gen)), "b": torch.full((1000,), float(gen)),
+            "h": torch.full((77, 3), gen, dtype=torch.bfloat16), "gen": gen}
+
+
+def generation(path: str) -> int:
+    """The generation the whole file holds (raises if torn or mixed)."""
+    fp_core.verify(path)
+    obj = torch.load(path, weights_only=True)
+    g = obj["gen"]
+    assert all(bool((obj[k] == g).all()) for k in ("w", "b", "h")), f"{path}: mixed generations"
+    return g
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
+    path = os.path.join(d, "ckpt.pt")
+    out: dict = {"rank": rank}
+    if scenario == "no-shared-memory-on-1" and rank == 1:
+        bad = os.path.join(d, "shm-not-private")
+        os.makedirs(os.path.join(bad, f"fastpersist-{os.geteuid()}"), mode=0o777, exist_ok=True)
+        os.chmod(os.path.join(bad, f"fastpersist-{os.geteuid()}"), 0o777)
+        os.environ["FASTPERSIST_SHM_DIR"] = bad
+    ck = fp_core.AsyncCheckpointer(writer="process", group=dist.group.WORLD, policy="snapshot", timeout_s=60)
+    st = state(1)
+    stats = ck.save(st, path).result()
+    out["first"] = {"writer": stats.extra.get("writer"), "writer_ranks": stats.extra.get("writer_ranks"),
+                    "rank_bytes": stats.extra.get("rank_bytes")}
+    out["writer_pid"] = ck._writer_proc.pid if ck._writer_proc is not None else 0
+    if scenario == "together":
+        h = ck.save(state(2), path)
+        ck.fence()
+        h.result()
+        bad = state(3)
+        if rank == 1:
+            bad["lock"] = threading.Lock()  # cannot be pickled: this rank has no layout
+        out["plan_error"] = error_of(lambda: ck.save(bad, path).result())
+        dist.barrier()
+        out["after_plan_error"] = generation(path)
+        if rank == 0:
+            ck.decline()
+            ck.save(state(4), os.path.join(d, "alone.pt"), local=True).result()
+            declined = None
+        else:
+            declined = ck.save(state(4), os.path.join(d, "peer-path.pt")).result().extra.get("declined")
+        out["declined"] = declined
+        ck.wait()
+        out["alone"] = generation(os.path.join(d, "alone.pt")) if rank == 0 else None
+        ck.save(state(5), path).result()
+        out["last"] = generation(path)
+    elif scenario == "kill-after-fence":
+        with open(os.path.join(d, f"writer{rank}.pid"), "w") as f:
+            f.write(str(ck._writer_proc.pid))
+        st2 = state(2)
+        h = ck.save(st2, path)
+        ck.fence()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        st2["w"].fill_(99.0)  # the next step: the checkpoint must not see it
+        out["second"] = error_of(h.result)
+        out["gen"] = generation(path)
+    elif scenario == "writer-killed":
+        dist.barrier()
+        if rank == 1:
+            os.kill(ck._writer_proc.pid, signal.SIGKILL)
+            ck._writer_proc.proc.wait()
+        dist.barrier()
+        t0 = time.monotonic()
+        out["second"] = error_of(lambda: ck.save(state(2), path).result())
+        out["second_seconds"] = time.monotonic() - t0
+        dist.barrier()
+        out["gen"] = generation(path)
+    elif scenario == "no-shared-memory-on-1":
+        ck.save(state(2), path).result()
+        out["gen"] = generation(path)
+    out["close"] = error_of(ck.close)
+    out["writer_alive_after_close"] = out["writer_pid"] > 0 and os.path.exists(f"/proc/{out['writer_pid']}")
+    return out
+
+
+if __name__ == "__main__":
+    rank, world, port, d, scenario = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = main(rank, world, port, d, scenario)
+    except BaseException:  # noqa: BLE001 - reported to the test
+        result = {"rank": rank, "crash": traceback.format_exc()}
+    with open(os.path.join(d, f"result{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if rank == 0:
+        with open(os.path.join(d, "result.json"), "w") as f:
+            json.dump(result, f)
+    os._exit(0)  # a peer may be gone: no teardown collective
