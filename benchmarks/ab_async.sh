@@ -10,6 +10,9 @@
 # e.g. git clone -q . /tmp/old && (cd /tmp/old && git checkout <commit> &&
 #      ../main/.venv/bin/python setup.py build_ext --inplace)
 #      bash benchmarks/ab_async.sh /tmp/old "$PWD" 6
+#
+# benchmarks/regenerate.py --only overlap-ab reruns the A/B kept in
+# benchmarks/results/overlap-ab.txt, the two commits it compared unpacked and built.
 set -euo pipefail
 old=$1 new=$2 rounds=${3:-6} modes=${4:-none,disk,overlap} dir=${5:-./bench-out/ab-async}
 py=${PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}

@@ -5,7 +5,7 @@ about W * B, while a gather-to-rank-0 save (rank 0 writes the whole file alone) 
 
 Run as root on a machine with cgroup v1 blkio mounted::
 
-    .venv/bin/python benchmarks/blkio_scaling.py --dir DIR
+    .venv/bin/python benchmarks/blkio_scaling.py --dir DIR > benchmarks/results/blkio-scaling.txt
 
 Steps: find the block device the output directory's bios are submitted to; measure the
 disk's own O_DIRECT write rate; check that a throttled group really writes at B; then for

@@ -1,6 +1,6 @@
 """Crash, fault and corruption harness for FastPersist: measured, not assumed.
 
-    python benchmarks/crash_harness.py --trials 200 [--integration-trials 8] [--json out.json]
+    python benchmarks/crash_harness.py --trials 200 [--integration-trials 8] [--json benchmarks/results/reliability-harness.json]
     python benchmarks/crash_harness.py --only crash --trials 20
     python benchmarks/crash_harness.py --only faults,corruption
 

@@ -11,6 +11,8 @@ two checkouts, the stock row being each process's own reference:
     done
 
 Prints the checkout it imported fp_core from and the seconds of every round per row.
+``benchmarks/regenerate.py --only dcp-load-ab`` reruns the A/B kept in
+``benchmarks/results/dcp-load-ab.txt`` (this script, from the newer commit, run in both).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ times training steps with no I/O, with fio writing O_DIRECT in the background, a
 no I/O again; the cost is the step's slowdown against the mean of the two quiet runs,
 and the training seconds lost per GB fio wrote meanwhile.
 
-    python benchmarks/disk_interference.py --dir /path/on/the/disk [--reps 4] [--batch N] [--pages]
+    python benchmarks/disk_interference.py --dir /path/on/the/disk [--reps 4] [--batch N] [--pages] \
+        > benchmarks/results/disk-interference.txt
 
 Needs ``fio`` (``apt-get install fio``).
 """

@@ -6,7 +6,8 @@ that fence. Each round runs every mode once on the same state (alternated, so a 
 this VM's speed hits all alike); the ratio is the median of per-round ratios to
 torch.save + fsync of the same state.
 
-    python benchmarks/fence_blocked.py --dir DIR --sizes 100MB,260MB,1GB --rounds 5 [--tensors 48] [--crc-impl sse4.2]
+    python benchmarks/fence_blocked.py --dir DIR --sizes 100MB,260MB,1GB --rounds 5 [--tensors 48] [--crc-impl sse4.2] \
+        > benchmarks/results/fence-blocked.txt
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ pages, as a new training process finds it):
   at nice 0 or 19. Training's loss is the steps' total minus ``steps x`` the median of the
   steps after the warm-up.
 
-    python benchmarks/fresh_memory.py [--size 1.13e9] [--reps 3] [--pause 15] [--batch 975]
+    python benchmarks/fresh_memory.py [--size 1.13e9] [--reps 3] [--pause 15] [--batch 975] \
+        > benchmarks/results/fresh-memory.txt
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 # FastPersist on a GPU (issue #16): every check a lent GPU machine should run, in one command.
 #
 #   bash benchmarks/gpu_check.sh
+#   OUT=benchmarks/results/gpu-check bash benchmarks/gpu_check.sh   # kept beside the other results
 #
 # Writes a summary to $OUT/gpu-check.txt and $OUT/gpu-check.json when $OUT is set (with each
 # phase's full log and the benchmarks' JSON beside them), and prints it on stdout too. No

@@ -8,7 +8,7 @@ layout on disk (written at different times), so this script compares readers on 
 at a time. Each round runs every row once, cold (the file's pages dropped, 2 s of settling),
 and the ratios are medians of per-round ratios.
 
-    python benchmarks/load_mapped.py --dir DIR --size 4GiB --rounds 3
+    python benchmarks/load_mapped.py --dir DIR --size 4GiB --rounds 3 > benchmarks/results/load-mapped-4GiB.txt
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Two questions behind engine defaults, measured side by side in rounds (median GB
 2. Staged writes with the engine's staging pool on huge pages (default) vs
    ``FASTPERSIST_HUGE_STAGING=0``, each in a fresh process (the pool is per process).
 
-    python benchmarks/page_effects.py --dir /work/bench-tmp --size 2GiB --repeat 5
+    python benchmarks/page_effects.py --dir /work/bench-tmp --size 2GiB --repeat 5 > benchmarks/results/page-effects.txt
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Collective-save scaling: 1, 2 and 4 writer processes writing one checkpoint together.
 
-    python benchmarks/partition_bench.py --dir /path/on/nvme --size 4GiB --writers 1,2,4
+    python benchmarks/partition_bench.py --dir /path/on/nvme --size 4GiB --writers 1,2,4 \
+        > benchmarks/results/partition-4GiB.txt
 
 Each process holds the same state (as data-parallel replicas do), joins a gloo group on
 loopback and calls ``fp_core.save(state, path, group=WORLD)``. Reported per run: the bytes

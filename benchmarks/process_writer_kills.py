@@ -1,7 +1,7 @@
 """Kill trials for the process writer (issue #40): is a checkpoint whose fence has passed
 committed when its trainer is SIGKILLed right after?
 
-    python benchmarks/process_writer_kills.py --trials 100 --snapshot-trials 20 --out benchmarks/process-writer-kills.json
+    python benchmarks/process_writer_kills.py --trials 100 --snapshot-trials 20 --out benchmarks/results/process-writer-kills.json
 
 Each trial runs ``tests/helpers/process_writer_victim.py`` in a fresh process: generation 1
 of a state is saved and waited for, generation 2 is saved to the same name, and the victim

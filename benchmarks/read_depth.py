@@ -4,7 +4,7 @@ touched before (the device row), ``fp_core.load_into`` (into a built state) and
 alternated in every round, page cache dropped before each read.
 
     python benchmarks/read_depth.py --dir D --size 2GiB --rounds 6 \\
-        --device 4:4,8:8,16:4,32:2 --into 4:4,32:2 --load 4:4,32:2
+        --device 4:4,8:8,16:4,32:2 --into 4:4,32:2 --load 4:4,32:2 > benchmarks/results/read-depth-2GiB.txt
 
 Prints each setting's median seconds and its median per-round ratio to the first device
 setting's. The settings FastPersist uses are ``fp_core.read_depth``'s.

@@ -10,7 +10,7 @@ on 4 KiB blocks. This script separates those effects on one file, cold (its page
 2 s of settling before each row), the rows' order rotated from round to round; ratios are
 medians of per-round ratios to the device row.
 
-    python benchmarks/read_targets.py --dir DIR --size 2GiB --rounds 8
+    python benchmarks/read_targets.py --dir DIR --size 2GiB --rounds 8 > benchmarks/results/read-targets-2GiB.txt
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ disk settled before the next row starts):
 
 Ratios are medians of per-round ratios to ``torch.save + fsync``.
 
-    python benchmarks/replace_cost.py --dir DIR --sizes 260MiB,2GiB --rounds 5
+    python benchmarks/replace_cost.py --dir DIR --sizes 260MiB,2GiB --rounds 5 > benchmarks/results/replace-cost.txt
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@ A mapped load (``torch.load(mmap=True)``, ``fp_core.load(mmap=True)``) returns t
 the file's page-cache pages, mapped private: reading them is as fast as the page cache,
 but the first write to a page copies it into a new anonymous page, the memory a load into
 new tensors (``fp_core.load``) faults in while it reads. On this VM fresh anonymous memory
-is the slow part of a load (``benchmarks/fresh-memory.txt``), so this script asks whether a
+is the slow part of a load (``benchmarks/results/fresh-memory.txt``), so this script asks whether a
 mapped load saves that cost or only moves it to the first step. Each row runs on the file
 its reader's table row reads in ``fastpersist bench`` (torch's rows on a file written by
 torch.save, ours on ours), cold (the file's pages dropped, 2 s of settling); ratios are
 medians of per-round ratios.
 
-    python benchmarks/resume_cost.py --dir DIR --size 2GiB --rounds 4
+    python benchmarks/resume_cost.py --dir DIR --size 2GiB --rounds 4 > benchmarks/results/resume-cost-2GiB.txt
 """
 
 from __future__ import annotations

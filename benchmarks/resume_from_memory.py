@@ -1,6 +1,6 @@
 """Resume from the process writer's shared-memory image against resume from disk (issue #40).
 
-    python benchmarks/resume_from_memory.py --gib 2 --rounds 3 --dir DIR > benchmarks/resume-from-memory.txt
+    python benchmarks/resume_from_memory.py --gib 2 --rounds 3 --dir DIR > benchmarks/results/resume-from-memory.txt
 
 A state of ``--gib`` GiB (float32 tensors of 256 MiB and a few small ones) is saved with
 ``AsyncCheckpointer(writer="process", resume_from_memory=True)`` to ``DIR/ckpt.pt`` by a

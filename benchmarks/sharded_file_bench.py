@@ -3,8 +3,8 @@ ways users get one file today and against our own DCP directory.
 
 Run under torchrun (gloo, CPU), every rank one process::
 
-    .venv/bin/torchrun --nproc-per-node 4 benchmarks/sharded_file_bench.py --dir DIR --keep DIR/full.pt
-    .venv/bin/torchrun --nproc-per-node 2 benchmarks/sharded_file_bench.py --dir DIR --load DIR/full.pt
+    .venv/bin/torchrun --nproc-per-node 4 benchmarks/sharded_file_bench.py --dir DIR --keep DIR/full.pt > benchmarks/results/sharded-file.txt
+    .venv/bin/torchrun --nproc-per-node 2 benchmarks/sharded_file_bench.py --dir DIR --load DIR/full.pt >> benchmarks/results/sharded-file.txt
 
 The first command times the save rows and keeps one ``layout="file"`` file; the second
 loads that file on another world size. The model is an FSDP2 (``fully_shard``) MLP with

@@ -1,6 +1,6 @@
 """Soak: many async saves with rotation in one process; fds, threads and RSS must not grow.
 
-    python benchmarks/soak.py --saves 1000 [--mib 4] [--keep 3] [--every 100] [--json out.json]
+    python benchmarks/soak.py --saves 1000 [--mib 4] [--keep 3] [--every 100] [--json benchmarks/results/reliability-soak.json]
 
 One ``AsyncCheckpointer`` (policy ``--policy``, default ``auto``) saves ``step-{i}.pt``
 (``--mib`` MiB, fresh values every save, mutated only after ``fence()``) and keeps the last

@@ -26,7 +26,8 @@ VM's disk hits all alike:
 
 Ratios are medians of per-round ratios to the device row.
 
-    python benchmarks/sync_gap.py --dir DIR --size 2GiB --rounds 6 [--only fp_core.save --only ...]
+    python benchmarks/sync_gap.py --dir DIR --size 2GiB --rounds 6 [--only fp_core.save --only ...] \
+        > benchmarks/results/sync-gap-2GiB.txt
 """
 
 from __future__ import annotations
