@@ -1,5 +1,5 @@
 """The documentation is plain Markdown, checked here instead of by a site builder: every
-relative link and image in README.md and docs/ names a file that exists, every ``#anchor``
+relative link and image in README.md, docs/ and benchmarks/README.md names a file that exists, every ``#anchor``
 names a heading of its page (GitHub's slugs), code fences close, tables have their header
 separator, the README stays short and its test command is the one CI runs."""
 
@@ -25,8 +25,8 @@ EXTERNAL = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|//)", re.I)
 
 
 def doc_files(root: Path = REPO) -> list[Path]:
-    """README.md and every Markdown page under docs/."""
-    return [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    """README.md, every Markdown page under docs/, and the benchmarks' page."""
+    return [root / "README.md", *sorted((root / "docs").rglob("*.md")), root / "benchmarks" / "README.md"]
 
 
 def prose_lines(text: str) -> Iterator[tuple[int, str]]:
