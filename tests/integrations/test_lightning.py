@@ -614,9 +614,11 @@ class RecordWriters:
             f.write(f"{os.path.basename(path)} {stats.writers}\n")
 
 
-def test_ddp_spawn_every_rank_writes_a_share(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_ddp_spawn_every_rank_writes_a_share(tmp_path, writer, shm_root):
+    """With writer="process", the writer processes run each collective save among themselves."""
     log = str(tmp_path / "writers.log")
-    io = FastPersistIO(on_commit=RecordWriters(log))
+    io = FastPersistIO(on_commit=RecordWriters(log), writer=writer)
     mc = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=2, monitor="loss", every_n_train_steps=2,
                          save_last=True)
     lp.seed_everything(5)
