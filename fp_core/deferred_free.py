@@ -2,7 +2,7 @@
 
 A file's blocks are freed when the last reference to its inode goes, and on ext4 or xfs
 that takes time in proportion to the file's size (more on a filesystem mounted with
-``discard``, as cloud VMs' disks often are; benchmarks/README.md): the rename that
+``discard``, as cloud VMs' disks often are; docs/performance.md): the rename that
 replaces a checkpoint, or the unlink that deletes one, blocks the caller meanwhile, as
 ``torch.save``'s ``O_TRUNC`` does. Here the old file is first opened with ``O_PATH`` (no
 read permission needed, nothing read), its name goes as before (the rename stays the

@@ -139,7 +139,7 @@ def read_image(cf: CheckpointFile, checked: list[RecordInfo]) -> mmap.mmap:
     threads as its bytes land and compared with its manifest's."""
     # Private anonymous memory (Python's default for -1 is a shared, shmem-backed mapping).
     # No MADV_HUGEPAGE: with this kernel's "defrag=madvise", huge-page faults compact
-    # memory and fault slower than 4 KiB pages (benchmarks/README.md, fresh memory).
+    # memory and fault slower than 4 KiB pages (docs/performance.md, "Fresh memory").
     length = max(_PAGE, -(-cf.size // _PAGE) * _PAGE)
     buf = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -172,7 +172,7 @@ def map_image(cf: CheckpointFile, checked: list[RecordInfo]) -> memoryview | Non
 
     Page-cache pages are filled by the disk, where new anonymous memory is first zeroed
     by the guest: on a VM the mapping can read near the disk's speed where fresh memory
-    cannot, though not in every hour (benchmarks/README.md, round 4). The tensors built on it stay mapped
+    cannot, though not in every hour (docs/performance.md, "Mapped loads"). The tensors built on it stay mapped
     on the file, as those of ``torch.load(mmap=True)``: pages written are copied (private),
     and the file must not be truncated or rewritten in place while they live (FastPersist's
     saves replace files by rename, which leaves a mapped file as it was). A file found

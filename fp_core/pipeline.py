@@ -16,7 +16,7 @@ tensor memory. Two staging policies (docs/design.md, "The async fence"):
   Until an arena of the checkpoint's size is warm, auto writes with overlap and warms
   one on the writer afterwards: the first fill of fresh memory faults in every page,
   an order of magnitude slower than a copy into warm pages, and under snapshot the fence
-  would wait for that fill (figures: benchmarks/README.md, "fresh memory").
+  would wait for that fill (figures: docs/performance.md, "Fresh memory").
 
 In both, tensors of at most ``small_tensor_bytes`` (BatchNorm running statistics and
 other buffers that change *during* forward) are copied on the caller's thread at save
@@ -34,14 +34,14 @@ the work stays in the background.
 Huge pages under the bytes written (``huge_pages``): O_DIRECT pins and maps the source
 memory page by page for every request, and on a virtual disk the host's share of that
 work slows the guest's cores while the write runs, less from 2 MiB pages than from 4 KiB
-ones (benchmarks/disk_interference.py --pages; figures in benchmarks/README.md). So the
+ones (benchmarks/disk_interference.py --pages; figures in docs/performance.md). So the
 snapshot arena is advised onto transparent
 huge pages before its first use (``huge_pages``, default on: our own memory, no copy).
 With ``collapse_live_tensors``, live CPU tensors that the overlap policy writes in place
 are moved onto them too, once (MADV_COLLAPSE), on a side thread after the first write that
 reads them: a one-time copy, transparent to the contents. It is off by default: that copy
 costs seconds of a core per GB of the caller's memory, and the gain measured in the
-whole pipeline was inside the noise (benchmarks/README.md). Where the kernel declines,
+whole pipeline was inside the noise (docs/performance.md). Where the kernel declines,
 nothing changes.
 
 Errors in the background are never dropped: each is raised once, at the next ``save``,

@@ -4,7 +4,7 @@ scatter read of many spans into their own memory at that depth.
 
 The disk reads faster with many smaller reads in flight than with a few large ones, into
 memory faulted in before and into fresh memory alike (``benchmarks/read_depth.py`` sweeps
-the settings; figures in benchmarks/README.md). A chunk of 2 MiB less two pages keeps a
+the settings; figures in docs/performance.md, "Load, 2 GiB"). A chunk of 2 MiB less two pages keeps a
 staged group's buffer (chunk + 2 blocks of up to 4 KiB) within one 2 MiB huge page of the
 staging pool. Read at call time (``read_depth.THREADS``), so a benchmark can sweep them.
 """

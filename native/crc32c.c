@@ -28,14 +28,14 @@ static uint32_t hw_lane_shift; /* x^(8*HW_LANE) mod P */
 /* Long inputs use longer lanes with software prefetch: checksumming from memory
  * (not cache) is limited by how many lines are in flight, and three 4 KiB lanes end
  * every 12 KiB, each time a new page the hardware prefetcher has to find again
- * (the gain, for the snapshot copy and the overlap checksums: benchmarks/README.md). */
+ * (the gain, for the snapshot copy and the overlap checksums: docs/performance.md). */
 #define HW_BIG_LANE (64 * 1024)
 #define HW_PREFETCH 2048 /* bytes ahead of each lane */
 static uint32_t hw_big_lane_shift; /* x^(8*HW_BIG_LANE) mod P */
 
 /* Long inputs on CPUs with VPCLMULQDQ and AVX-512 fold 64 bytes per carry-less multiply
  * pair instead: crc32 retires 8 bytes a cycle at best, which makes a copy with its CRC
- * fused take as long as the copy plus the checksum (benchmarks/README.md). */
+ * fused take as long as the copy plus the checksum (docs/performance.md). */
 enum { IMPL_SW, IMPL_HW, IMPL_FOLD };
 static int impl_best, impl_used;
 #define FOLD_MIN 256 /* four 64-byte accumulators to start the folding loop */

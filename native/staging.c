@@ -52,7 +52,7 @@ __attribute__((constructor)) static void pool_register_fork_handler(void)
  * transparent huge pages.  O_DIRECT pins the buffer's pages for every request
  * and a virtual disk copies them out of guest memory: with 4 KiB pages that is
  * 512x the page walks, and writes from huge pages run faster on a virtual disk
- * (benchmarks/page_effects.py; figures in benchmarks/README.md).  Where THP
+ * (benchmarks/page_effects.py; figures in docs/performance.md).  Where THP
  * is off the advice is ignored and the buffer is an ordinary mapping. */
 #define HUGE_SZ (2u << 20)
 static int stage_huge = -1;
@@ -197,7 +197,7 @@ size_t fp_pool_bytes(void)
  * [addr, addr+n)).  The bytes written from that memory with O_DIRECT are pinned and
  * mapped page by page for every request; on a virtual disk the host's share of that
  * work slows the guest's own cores while the write runs, less from huge pages than
- * from 4 KiB ones (benchmarks/disk_interference.py --pages; benchmarks/README.md).
+ * from 4 KiB ones (benchmarks/disk_interference.py --pages; docs/performance.md).
  * advise: MADV_HUGEPAGE, so pages faulted in later are huge (a fresh buffer);
  * collapse: also MADV_COLLAPSE (Linux 6.1+), which moves memory already in use onto
  * huge pages now, copying it (slow on memory fresh to a VM).
@@ -228,7 +228,7 @@ uint64_t fp_advise_huge(uint64_t addr, uint64_t n, int collapse)
  * first touch is slow where the memory is fresh to the machine: a VM whose host reclaims
  * free 2 MiB blocks (free page reporting) backs them again on the next fault, an order of
  * magnitude slower than memory it still backs, and the whole guest slows meanwhile
- * (benchmarks/fresh_memory.py; figures in benchmarks/README.md).  So one thread: the same wall time as torch's strided
+ * (benchmarks/fresh_memory.py; figures in docs/performance.md).  So one thread: the same wall time as torch's strided
  * zero_() on its intra-op threads, less CPU.  MADV_POPULATE_WRITE (Linux 5.14) faults the
  * range in one call without changing the contents; older kernels get a touch per 4 KiB page
  * (a read-modify-write of one byte, which keeps the contents too, and is not racing anyone:
@@ -290,7 +290,7 @@ int fp_populate(uint64_t addr, uint64_t n, int write, char *msg, size_t cap)
         if (rc)
             return rc;
         /* Then read a byte of every page: on a VM, the first access of a page the disk
-         * filled still waits for the host to map it for this guest (benchmarks/README.md),
+         * filled still waits for the host to map it for this guest (docs/performance.md),
          * and paid here it runs on the populating threads, beside the reads of other ranges,
          * instead of at the tensors' first use. */
         volatile const unsigned char *q = (volatile const unsigned char *)lo;

@@ -242,7 +242,7 @@ class DiskOnly(Mode):
         if huge:
             # Where the disk's work alone is measured from: FastPersist's own buffers (staging,
             # arena) sit on 2 MiB pages, and writing from 4 KiB ones costs this VM's guest far
-            # more while it runs (benchmarks/README.md, the floor's pages).
+            # more while it runs (docs/performance.md, "The slowdown and the disk floor").
             m = mmap.mmap(-1, self.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.raw = torch.frombuffer(m, dtype=torch.uint8)
             skip = -self.raw.data_ptr() % HUGE_PAGE

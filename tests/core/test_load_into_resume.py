@@ -109,7 +109,7 @@ def test_one_call_resume_of_a_fresh_job_steps_as_torch_load_does(disk_dir, kind,
     model, opt, sched = _job(kind, 1)
     assert not opt.state  # fresh: its state is created from the file
     ptrs = [p.data_ptr() for p in model.parameters()]
-    # the README's recipe: the epoch is not in the target, it is the file's
+    # docs/pytorch.md's resume recipe: the epoch is not in the target, it is the file's
     state = fp_core.load_into({"model": model, "optim": opt, "sched": sched}, path, verify=verify)
     assert [p.data_ptr() for p in model.parameters()] == ptrs  # read into the model's own memory
     assert state["epoch"] == 3
