@@ -234,6 +234,88 @@ def _safetensors_writes_go_to(save_file: Callable[..., None]) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------
+# Resume from memory: the stock resume's reads of a checkpoint's files from their images
+# ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _reads_from_memory(checkpoint: str, read: dict[str, int]) -> Iterator[None]:
+    """Within the block, the stock resume's reads of a file directly in ``checkpoint`` that
+    the writer process left a live shared-memory image of (``writer="process",
+    resume_from_memory=True``, the file unchanged since) read that image instead of the
+    disk: ``torch.load`` and safetensors' ``load_file`` of that path become
+    ``fp_core.load`` of the image, every byte checked against the file's checksums. An
+    image that fails is logged and the stock call reads the disk. Every other read is the
+    stock call itself. ``read`` gets each file read from memory with its size. Main
+    thread, one block at a time, process-wide (as :func:`_safetensors_writes_go_to`)."""
+    import safetensors.torch as st_torch
+    import transformers.trainer_utils as tu
+
+    import fp_core
+    from fp_core import api as fp_api
+
+    where = os.path.realpath(checkpoint)
+
+    def image_of(f: Any) -> tuple[str, str] | None:
+        """``(path, image)`` for a path in the checkpoint that has a live image."""
+        if not isinstance(f, (str, os.PathLike)) or isinstance(os.fspath(f), bytes):
+            return None
+        p = os.fspath(f)
+        if os.path.dirname(os.path.realpath(p)) != where:
+            return None
+        image = fp_api._memory_image(p)
+        return None if image is None else (p, image)
+
+    def from_image(found: tuple[str, str], **kw: Any) -> tuple[bool, Any]:
+        p, image = found
+        try:
+            # through fp_core's bookkeeping of image reads: counted, the image removed at this
+            # run's clean end (its owner gone), a failure logged there and raised as
+            # _MemoryImageFailed: the stock call then reads the disk
+            out = fp_api._from_memory(p, image, lambda: fp_core.load(image, verify=True, **kw))
+        except fp_api._MemoryImageFailed:
+            return False, None
+        read[os.path.basename(p)] = os.path.getsize(image)
+        return True, out
+
+    orig_torch_load = torch.load
+    orig_load_file = st_torch.load_file
+    orig_tu = getattr(tu, "safe_load_file", None)
+
+    @functools.wraps(orig_torch_load)
+    def torch_load(f: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: bool | None = None,
+                   mmap: bool | None = None, **pickle_load_args: Any) -> Any:
+        # torch.load's own options beyond these (a pickle module, mmap) keep the stock read
+        found = None if pickle_module is not None or mmap or pickle_load_args else image_of(f)
+        if found is not None:
+            ok, out = from_image(found, map_location=map_location, weights_only=weights_only)
+            if ok:
+                return out
+        return orig_torch_load(f, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
+                               **pickle_load_args)
+
+    @functools.wraps(orig_load_file)
+    def load_file(filename: Any, device: Any = "cpu") -> dict[str, torch.Tensor]:
+        found = image_of(filename)
+        if found is not None:
+            ok, out = from_image(found, map_location=device)
+            if ok:
+                return out
+        return orig_load_file(filename, device=device)
+
+    with _intercept_lock:
+        torch.load = torch_load
+        st_torch.load_file = load_file
+        if orig_tu is not None:
+            tu.safe_load_file = load_file  # load_sharded_checkpoint's own reference
+        try:
+            yield
+        finally:
+            torch.load = orig_torch_load
+            st_torch.load_file = orig_load_file
+            if orig_tu is not None:
+                tu.safe_load_file = orig_tu
+
+
+# ---------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------
 def _fallback_reason(trainer: Any) -> str | None:
@@ -507,8 +589,12 @@ class FastPersistCallback(TrainerCallback):
         **engine_options: fp_core engine options (backend, queue_depth, ...) and other
             ``AsyncCheckpointer`` options (``huge_pages``, ``collapse_live_tensors``,
             ``snapshot_budget_bytes``, ``writer="process"``: each file written by a writer
-            process, committed even if the trainer dies past the fence; the Trainer's own
-            resume reads from disk).
+            process, committed even if the trainer dies past the fence; with
+            ``resume_from_memory=True`` the writer keeps the committed files' images in
+            shared memory, and ``trainer.train(resume_from_checkpoint=...)`` on the same
+            machine reads the weights, optimizer, scheduler and scaler files from them,
+            every byte checked, where they still hold the files (else from disk);
+            ``load_stats["memory"]`` lists what it read so).
     """
 
     def __init__(self, trainer: Trainer | None = None, *, policy: str = "auto", max_in_flight: int = 1,
@@ -576,6 +662,7 @@ class FastPersistCallback(TrainerCallback):
         trainer._save_checkpoint = self._save_checkpoint  # instance attribute shadows the method
         trainer._load_from_checkpoint = self._load_from_checkpoint
         trainer._load_optimizer_and_scheduler = self._load_optimizer_and_scheduler
+        trainer._load_scaler = self._load_scaler
         if getattr(trainer, "is_fsdp_enabled", False) and _fsdp_full(trainer):
             trainer.save_model = self._save_model  # stock gathers the full state to rank 0
         self._installed_on = trainer
@@ -594,7 +681,19 @@ class FastPersistCallback(TrainerCallback):
             tr.accelerator.wait_for_everyone()
             return None
         # the trainer's own class: a subclass's override of the load is kept
-        return type(tr)._load_from_checkpoint(tr, resume_from_checkpoint, model)
+        with self._from_memory(resume_from_checkpoint):
+            return type(tr)._load_from_checkpoint(tr, resume_from_checkpoint, model)
+
+    def _from_memory(self, checkpoint: str | None) -> contextlib.AbstractContextManager:
+        """The stock resume's reads of ``checkpoint``'s files from their shared-memory images
+        where there are live ones (see :func:`_reads_from_memory`); what was read so is
+        ``load_stats["memory"]``: ``{"checkpoint": path, "files": {name: bytes}}``."""
+        if checkpoint is None or not os.path.isdir(checkpoint):
+            return contextlib.nullcontext()
+        stats = self.load_stats.get("memory")
+        if stats is None or stats["checkpoint"] != checkpoint:
+            stats = self.load_stats["memory"] = {"checkpoint": checkpoint, "files": {}}
+        return _reads_from_memory(checkpoint, stats["files"])
 
     def _full_resume(self, checkpoint: str | None, name: str, method: str) -> bool:
         """Resume FSDP2 FULL_STATE_DICT state from ``checkpoint/name`` by rows (not through the
@@ -609,15 +708,22 @@ class FastPersistCallback(TrainerCallback):
         tr = self.trainer
         if not (self._full_resume(checkpoint, FSDP_FULL_OPTIMIZER_NAME, "_load_optimizer_and_scheduler")
                 and os.path.isfile(os.path.join(checkpoint, SCHEDULER_NAME))):
-            return type(tr)._load_optimizer_and_scheduler(tr, checkpoint)
+            with self._from_memory(checkpoint):
+                return type(tr)._load_optimizer_and_scheduler(tr, checkpoint)
         from transformers.trainer_pt_utils import reissue_pt_warnings
 
         tr.accelerator.wait_for_everyone()
         self.load_stats["optimizer"] = _load_full_state(tr, checkpoint, optimizer=True)
         tr.accelerator.wait_for_everyone()
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, self._from_memory(checkpoint):
             tr.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         reissue_pt_warnings(caught)
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        """The Trainer's, ``scaler.pt`` read from its shared-memory image where there is one."""
+        tr = self.trainer
+        with self._from_memory(checkpoint):
+            return type(tr)._load_scaler(tr, checkpoint)
 
     def _save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``trainer.save_model()`` under FSDP2 FULL_STATE_DICT: stock's files (safetensors,
@@ -641,7 +747,8 @@ class FastPersistCallback(TrainerCallback):
     def _uninstall(self) -> None:
         t = self._installed_on
         ours = {"_save_checkpoint": self._save_checkpoint, "_load_from_checkpoint": self._load_from_checkpoint,
-                "_load_optimizer_and_scheduler": self._load_optimizer_and_scheduler, "save_model": self._save_model}
+                "_load_optimizer_and_scheduler": self._load_optimizer_and_scheduler, "_load_scaler": self._load_scaler,
+                "save_model": self._save_model}
         for name, method in ours.items():
             if t is not None and t.__dict__.get(name) == method:
                 del t.__dict__[name]
