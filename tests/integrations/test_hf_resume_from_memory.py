@@ -153,7 +153,7 @@ def test_without_resume_from_memory_no_image_is_left(runs):
     assert {n for n in os.listdir(os.path.join(d, "checkpoint-4"))} >= WRITTEN_BY_THE_WRITER
 
 
-def test_the_reads_are_redirected_only_within_the_resume(tmp_path):
+def test_the_reads_are_redirected_only_within_the_resume(tmp_path, shm_root):
     import safetensors.torch as st_torch
     import transformers.trainer_utils as tu
 
@@ -162,13 +162,21 @@ def test_the_reads_are_redirected_only_within_the_resume(tmp_path):
     stock = (torch.load, st_torch.load_file, tu.safe_load_file)
     other = tmp_path / "elsewhere.pt"
     torch.save({"x": torch.arange(3)}, other)
+    (tmp_path / "checkpoint-1").mkdir()
+    fp_core.save({"y": torch.ones(2)}, tmp_path / "checkpoint-1" / "optimizer.pt")
+    st_torch.save_file({"z": torch.zeros(2)}, tmp_path / "checkpoint-1" / "model.safetensors")
     read: dict = {}
     with pytest.raises(RuntimeError, match="inside"):
         with _reads_from_memory(str(tmp_path / "checkpoint-1"), read):
             assert torch.load is not stock[0] and st_torch.load_file is not stock[1]
             assert tu.safe_load_file is st_torch.load_file
-            # a file outside the checkpoint directory: the stock read itself
+            # a file outside the checkpoint directory, and files in it without an image:
+            # the stock reads themselves
             assert torch.equal(torch.load(other, weights_only=True)["x"], torch.arange(3))
+            assert torch.equal(torch.load(tmp_path / "checkpoint-1" / "optimizer.pt", weights_only=True)["y"],
+                               torch.ones(2))
+            assert torch.equal(st_torch.load_file(tmp_path / "checkpoint-1" / "model.safetensors")["z"],
+                               torch.zeros(2))
             raise RuntimeError("inside")
     assert (torch.load, st_torch.load_file, tu.safe_load_file) == stock  # restored, also on an error
     assert read == {}
