@@ -73,7 +73,14 @@ from .errors import CheckpointError
 from .fence_cut import FenceCut
 from .job import SaveJob
 from .plan import StorageExtent
-from .process_writer import WRITERS, ProcessCollectiveSave, ProcessSave, WriterProcess, join_writers
+from .process_writer import (
+    WRITERS,
+    ProcessCollectiveSave,
+    ProcessSave,
+    ProcessShardedFileSave,
+    WriterProcess,
+    join_writers,
+)
 from .stats import SaveStats
 from .writer import SNAPSHOT_CONGRUENCE, copy_to_host, mark_ready, snapshot_to_host, stage_cpu
 
@@ -514,15 +521,19 @@ class AsyncCheckpointer:
             return None
         is_remote, _ = paths.split(path)
         collective = self.group is not None and not local
+        sharded = api.is_sharded(obj)
+        one_file = sharded and layout == "file" and not local
         why = ("a remote URL" if is_remote or storage_options else
-               "sharded (DTensor) state" if api.is_sharded(obj) or layout is not None else
+               "sharded (DTensor) state in a DCP directory" if sharded and not one_file else
                "extra_files" if extra_files else
-               "a collective save in another format than torch's" if collective and format != "torch" else None)
-        if why is None and collective:
-            job = self._collective_process_job(obj, path)
+               "a collective save in another format than torch's" if collective and not one_file and format != "torch"
+               else None)
+        if why is None and (collective or one_file):
+            job = self._collective_process_job(obj, path, format, metadata, one_file)
             if job is not None:
                 return job
-            why = "a collective save (not every rank has a writer process, or the group is not the whole world)"
+            why = (f"a {'sharded' if one_file else 'collective'} save (not every rank has a writer process, or "
+                   "the group is not the whole world)")
         elif why is None:
             try:
                 job = self._process_job(obj, path, format, metadata)
@@ -548,13 +559,16 @@ class AsyncCheckpointer:
                         "thread writer", why, path)
         return None
 
-    def _collective_process_job(self, obj: Any, path: Any) -> ProcessCollectiveSave | None:
-        """A collective save run by the writer processes (every rank takes the same route:
-        decided together at the first collective save, :func:`join_writers`), or None."""
+    def _collective_process_job(self, obj: Any, path: Any, format: str, metadata: Any,
+                                one_file: bool) -> ProcessCollectiveSave | None:
+        """A collective save, or a sharded one as one file (``one_file``), run by the writer
+        processes (every rank takes the same route: decided together at the first such
+        save, :func:`join_writers`), or None."""
         if self._writers_joined is None:
             import torch.distributed as dist
 
-            ranks = sorted(dist.get_process_group_ranks(self.group))
+            ranks = (sorted(dist.get_process_group_ranks(self.group)) if self.group is not None
+                     else list(range(dist.get_world_size())))
             try:
                 if self._writer_proc is None or not self._writer_proc.alive:
                     self._start_writer()
@@ -572,10 +586,19 @@ class AsyncCheckpointer:
                 f"collective save of {path}: this rank's checkpoint writer process (pid {pid}) is gone, and with "
                 "it the writers' group; no collective save can be made in this run with writer='process' "
                 "(restart the run, or use writer='thread')")
-        job = ProcessCollectiveSave(obj, path, self._writer_proc, self.options, topology=self.topology,
-                                    keep_arenas=min(self.max_in_flight, 8))
+        keep = min(self.max_in_flight, 8)
+        job: ProcessCollectiveSave
+        if one_file:
+            from .sharded_file import ShardedFileSave
+
+            inner = ShardedFileSave(obj, path, self.group, options=self.options, format=format, metadata=metadata,
+                                    timeout_s=self.timeout_s)
+            job = ProcessShardedFileSave(inner, self._writer_proc, self.options, keep_arenas=keep)
+        else:
+            job = ProcessCollectiveSave(obj, path, self._writer_proc, self.options, topology=self.topology,
+                                        keep_arenas=keep)
         if job.plan is not None:
-            size = job.plan.file_size
+            size = job.held_bytes()
             if size > self.snapshot_budget_bytes:
                 job.fail(CheckpointError(
                     f"{job.final}: a collective checkpoint of {size >> 20} MiB is over snapshot_budget_bytes="

@@ -494,6 +494,10 @@ class ProcessCollectiveSave(ProcessSave):
     def _more_spec(self) -> dict:
         return {"topology": self.topology}
 
+    def held_bytes(self) -> int:
+        """The bytes of this rank's snapshot."""
+        return self.plan.file_size if self.plan is not None else 0
+
     def _local_error(self) -> BaseException | None:
         return self._failed or self.plan_error
 
@@ -557,6 +561,40 @@ class ProcessCollectiveSave(ProcessSave):
         super().abort()
 
 
+class ProcessShardedFileSave(ProcessCollectiveSave):
+    """A sharded save as one file (``layout="file"``, :class:`fp_core.sharded_file.ShardedFileSave`)
+    run by the writer processes: laid out on the trainer (which needs the DTensors' meshes
+    and placements), this rank's pieces snapshotted into a sparse arena at their offsets in
+    the file (only what this rank holds takes memory), and the save's protocol run by the
+    writers among themselves."""
+
+    def __init__(self, inner: Any, writer: WriterProcess, options: EngineOptions, keep_arenas: int = 1) -> None:
+        self._setup(inner.final, writer, options, keep_arenas, inner.t0)
+        self.inner, self.topology = inner, "replica"
+        self.plan, self.plan_error = inner.plan, inner.plan_error
+        self.stats = inner.stats
+        self.seq = writer.next_seq()
+
+    def held_bytes(self) -> int:
+        return sum(s.length for s in self.plan.storages) if self.plan is not None else 0
+
+    def take_arena(self) -> memory_image.SharedArena:
+        if self.arena is None:
+            assert self.plan is not None
+            pin = any(s.source.device.type == "cuda" for s in self.plan.storages)
+            self.arena = self.writer.take_arena(self.plan.file_size, pin, allocate=False)
+            try:
+                self.arena.allocate_ranges([(s.offset, s.length) for s in self.plan.storages])
+            except BaseException:
+                arena, self.arena = self.arena, None
+                self.writer.give_arena(arena, self.keep_arenas)
+                raise
+        return self.arena
+
+    def _more_spec(self) -> dict:
+        return {"topology": "replica", "sharded": self.inner.wire()}
+
+
 _joins = itertools.count()  # writers' groups joined by this process: the same order on every rank
 
 
@@ -604,4 +642,4 @@ def _plan_for_wire(plan: FilePlan) -> FilePlan:
     return wire
 
 
-__all__ = ["WriterProcess", "ProcessSave", "ProcessCollectiveSave", "WriterProcessError", "WRITERS", "join_writers"]
+__all__ = ["WriterProcess", "ProcessSave", "ProcessCollectiveSave", "ProcessShardedFileSave", "WriterProcessError", "WRITERS", "join_writers"]

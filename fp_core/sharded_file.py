@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import dataclasses
 import hashlib
 import math
 import mmap
@@ -389,6 +390,12 @@ class ShardedFileSave(CollectiveSave):
         for s in full.storages:
             h.update(f"{self._names[s.record]} {s.offset} {s.length};".encode())
         self.layout_hash = h.hexdigest()
+        return self._plan_of_held()
+
+    def _plan_of_held(self) -> FilePlan:
+        """The job's plan: the full file's layout, with this rank's pieces as its storages."""
+        full = self.full
+        assert full is not None
         extents = []
         for x in self.held:
             x.extent = StorageExtent(x.offset, x.length, x.source, x.record, record_start=x.start)
@@ -397,6 +404,35 @@ class ShardedFileSave(CollectiveSave):
                         storages=sorted(extents, key=lambda e: e.offset), manifest=full.manifest,
                         manifest_header_offset=full.manifest_header_offset, manifest_offset=full.manifest_offset,
                         manifest_size=full.manifest_size, manifest_central_entry=full.manifest_central_entry)
+
+    # -- run by another process (the writer process, fp_core.process_writer) ----------
+
+    def wire(self) -> dict:
+        """What a writer process needs to run this save once every piece's bytes are in its
+        arena, each at its offset in the file: the full file's layout without tensors, and
+        this rank's pieces (which rank holds which bytes)."""
+        assert self.full is not None
+        empty = torch.empty(0, dtype=torch.uint8)
+        full = dataclasses.replace(self.full, cut=None, storages=[
+            StorageExtent(s.offset, s.length, empty, s.record, record_start=s.record_start)
+            for s in self.full.storages])
+        return {"format": self.format, "metadata": self.metadata, "full": full, "names": self._names,
+                "layout_hash": self.layout_hash,
+                "held": [(x.record, x.start, x.offset, x.length, x.holders, x.index) for x in self.held]}
+
+    @classmethod
+    def from_wire(cls, wire: dict, arena: torch.Tensor, path: str | os.PathLike, *, cg: Any,
+                  options: EngineOptions) -> ShardedFileSave:
+        """The save of :meth:`wire`, each piece read from ``arena`` (a flat uint8 view of
+        the file's size) at its offset, coordinated over ``cg`` (the writers' group)."""
+        self = cls.from_plan(None, path, plan_error=None, cg=cg, topology="replica", options=options)
+        self.format, self.metadata = wire["format"], wire["metadata"]
+        self.full, self._names, self.layout_hash = wire["full"], wire["names"], wire["layout_hash"]
+        self.held = [_Held(rec, start, off, n, arena[off:off + n], tuple(holders), index)
+                     for rec, start, off, n, holders, index in wire["held"]]
+        self._runs, self._partial, self._fd, self._buffered_bytes = [], [], None, 0
+        self.plan = self._plan_of_held()
+        return self
 
     def _full_torch(self, obj: Any) -> tuple[FilePlan, Callable[[StorageExtent], Any]]:
         """The plan of the full state's ``torch.save`` file, and which DTensor (its path)

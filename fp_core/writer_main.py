@@ -213,10 +213,18 @@ def _run_collective(spec: dict, group: Any) -> dict:
     error = spec.get("error")
     plan_error = (None if error is None else
                   CheckpointSerializationError(error) if spec.get("serialize") else CheckpointError(error))
-    job = CollectiveSave.from_plan(plan, spec["final"], plan_error=plan_error, cg=dist.group.WORLD,
-                                   topology=spec["topology"], options=EngineOptions(**spec["options"]))
+    options = EngineOptions(**spec["options"])
+    if plan is not None and spec.get("sharded"):
+        from fp_core.sharded_file import ShardedFileSave
+
+        plan.storages = []
+        job: Any = ShardedFileSave.from_wire(spec["sharded"], view, spec["final"], cg=dist.group.WORLD,
+                                             options=options)
+    else:
+        job = CollectiveSave.from_plan(plan, spec["final"], plan_error=plan_error, cg=dist.group.WORLD,
+                                       topology=spec["topology"], options=options)
     try:
-        return job._run(None).as_dict()
+        return job.run(None).as_dict()
     finally:
         if plan is not None:
             plan.storages = []

@@ -48,10 +48,13 @@ def assert_holds(path: str, expected: dict[str, torch.Tensor]) -> None:
     assert fp_core.verify(path)["bytes"] == os.path.getsize(path)
 
 
-@pytest.mark.parametrize("policy", ["snapshot", "overlap"])
-def test_file_holds_the_state_at_save_while_training_changes_it(disk_dir, policy):
+@pytest.mark.parametrize("policy", ["snapshot", "overlap", "process"])
+def test_file_holds_the_state_at_save_while_training_changes_it(disk_dir, policy, shm_root):
+    """``process``: writer="process", the writer processes run each save among themselves."""
     results = ranks(policy, disk_dir, 2)
     assert all(r["ok"] for r in results), results
+    want = ["process"] * 3 if policy == "process" else ["thread"] * 3
+    assert all(r["writers"] == want for r in results), results
     for i, name in enumerate(("ck0.pt", "ck1.safetensors", "ck2.pt")):
         assert_holds(os.path.join(disk_dir, name), after_steps(i))
     if policy == "overlap":

@@ -11,6 +11,8 @@ writers run the collective save among themselves. Each rank writes ``DIR/result{
   rank 0 declining one save that it writes alone, and one more collective save.
 * ``kill-after-fence``: rank 1 SIGKILLs itself right after generation 2's save and fence;
   rank 0's save must still commit (rank 1's orphaned writer does its share).
+* ``sharded-kill-after-fence``: the same with FSDP2-like DTensor state saved as one file
+  (``layout="file"``): rank 1's orphaned writer writes its rows.
 * ``writer-killed``: rank 1's writer is SIGKILLed between saves: the next collective save
   fails on every rank with an error that says so, and generation 1 stays.
 * ``no-shared-memory-on-1``: rank 1 may not use shared memory: every rank's collective
@@ -38,6 +40,15 @@ import fp_core  # noqa: E402
 def state(gen: int) -> dict:
     return {"w": torch.full((3 << 18,), float(gen)), "b": torch.full((1000,), float(gen)),
             "h": torch.full((77, 3), gen, dtype=torch.bfloat16), "gen": gen}
+
+
+def sharded_state(gen: int, mesh) -> dict:
+    """``state(gen)`` as FSDP2 holds it: rows sharded (uneven), a replicated tensor, a plain one."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    full = state(gen)
+    return {"w": distribute_tensor(full["w"][:700_007].reshape(-1, 7).clone(), mesh, [Shard(0)]),
+            "b": distribute_tensor(full["b"], mesh, [Replicate()]), "h": full["h"], "gen": gen}
 
 
 def generation(path: str) -> int:
@@ -103,6 +114,23 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         st2["w"].fill_(99.0)  # the next step: the checkpoint must not see it
         out["second"] = error_of(h.result)
         out["gen"] = generation(path)
+    elif scenario == "sharded-kill-after-fence":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        one = os.path.join(d, "full.pt")
+        ck.save(sharded_state(1, mesh), one, layout="file").result()
+        with open(os.path.join(d, f"writer{rank}.pid"), "w") as f:
+            f.write(str(ck._writer_proc.pid))
+        st2 = sharded_state(2, mesh)
+        h = ck.save(st2, one, layout="file")
+        ck.fence()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        st2["w"].to_local().fill_(99.0)  # the next step: the checkpoint must not see it
+        stats = h.result()
+        out["second"] = {"writer": stats.extra.get("writer"), "layout": stats.extra.get("layout")}
+        out["gen"] = generation(one)
     elif scenario == "writer-killed":
         dist.barrier()
         if rank == 1:

@@ -2,7 +2,8 @@
 while the training goes on modifying the local shards in place.
 
 Usage: python sharded_file_async_worker.py RANK WORLD PORT DIR SCENARIO (conftest.run_ranks);
-SCENARIO: snapshot | overlap (consistency and the fence) | fail (rank 1's write fails).
+SCENARIO: snapshot | overlap | process (consistency and the fence; process: writer="process") | fail
+(rank 1's write fails).
 Each rank reports to DIR/result<RANK>.json, rank 0 to DIR/result.json as well.
 """
 
@@ -56,8 +57,12 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (world,))
     result: dict = {"rank": rank}
     with reported(d, rank, result):
-        if scenario in ("snapshot", "overlap"):
-            ck = fp_core.AsyncCheckpointer(policy=scenario, small_tensor_bytes=1024)
+        if scenario in ("snapshot", "overlap", "process"):
+            # process: the writer processes run each save among themselves, from shared memory
+            ck = fp_core.AsyncCheckpointer(policy="snapshot" if scenario == "process" else scenario,
+                                           small_tensor_bytes=1024,
+                                           writer="process" if scenario == "process" else "thread")
+            writers = []
             state = sharded(mesh, full_state())
             fences = []
             for i, fmt in enumerate(("torch", "safetensors", "torch")):
@@ -69,9 +74,9 @@ def main() -> None:
                 ck.fence()  # the optimizer step's fence
                 fences.append(time.monotonic() - t0)
                 train_in_place(state)  # the state moves on at once, the write may not be done
-                h.result()
+                writers.append(h.result().extra.get("writer", "thread"))
             ck.close()
-            result.update(fences=fences, policies=[scenario])
+            result.update(fences=fences, policies=[scenario], writers=writers)
         elif scenario == "fail":
             ck = fp_core.AsyncCheckpointer(policy="overlap")
             path = os.path.join(d, "ck.pt")
