@@ -81,6 +81,39 @@ def _capture(obj: Any, leaves: list[_Leaf]) -> Any:
     return map_containers(obj, lambda v: _capture(v, leaves))
 
 
+class _WireLeaf:
+    """A :class:`_Leaf` as a writer process gets it: where its bytes are in the arena, and
+    how to make the DTensor again (its mesh's ranks and names, placements, global meta)."""
+
+    def __init__(self, leaf: _Leaf) -> None:
+        t = leaf.tensor
+        self.offset = leaf.extent.offset if leaf.extent is not None else -1
+        self.nbytes, self.shape, self.dtype = t.nbytes, tuple(t.shape), t.dtype
+        self.dt: tuple | None = None
+        if leaf.dtensor is not None:
+            spec = leaf.dtensor._spec
+            self.dt = (spec.mesh.mesh.tolist(), spec.mesh.mesh_dim_names, tuple(spec.placements), spec.tensor_meta,
+                       getattr(spec, "shard_order", None))
+
+    def tensor(self, arena: torch.Tensor, meshes: dict) -> Any:
+        if self.nbytes:
+            t = arena[self.offset: self.offset + self.nbytes].view(self.dtype).view(self.shape)
+        else:
+            t = torch.empty(self.shape, dtype=self.dtype)
+        if self.dt is None:
+            return t
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+        ranks, names, placements, meta, order = self.dt
+        key = (repr(ranks), names)
+        if key not in meshes:  # the same mesh, over the writers' group (their ranks are the trainers')
+            meshes[key] = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names)
+        kw = {"shard_order": order} if order is not None else {}
+        return DTensor(t, DTensorSpec(meshes[key], placements, tensor_meta=meta, **kw), requires_grad=False)
+
+
 def _rebuild(obj: Any) -> Any:
     if isinstance(obj, _Leaf):
         return obj.rebuild()
@@ -122,6 +155,35 @@ class DcpSave:
         self.plan: FilePlan | None = FilePlan(file_size=offset, alignment=_ALIGN, skeleton=SparseFile(),
                                               storages=extents, manifest=None)
         self.stats.serialize_seconds = time.perf_counter() - t0
+
+    def wire(self) -> dict:
+        """What a writer process needs to run this save once every tensor's bytes are in its
+        arena at their extent's offset: the state without tensors, and the extra files."""
+        def to_wire(o: Any) -> Any:
+            return _WireLeaf(o) if isinstance(o, _Leaf) else map_containers(o, to_wire)
+
+        return {"state": to_wire(self.state), "extra_files": self.extra_files}
+
+    @classmethod
+    def from_wire(cls, wire: dict, arena: torch.Tensor, path: str | os.PathLike, *, cg: Any,
+                  options: EngineOptions) -> DcpSave:
+        """The save of :meth:`wire` over ``cg`` (the writers' group), its tensors views of
+        ``arena`` (DTensors over meshes of the writers' ranks)."""
+        self = cls.__new__(cls)
+        self.final = os.path.abspath(os.fspath(path))
+        self.options, self.extra_files, self.cg = options, wire["extra_files"], cg
+        self.stats = SaveStats(path=self.final)
+        self.error, self.plan = None, None
+        meshes: dict = {}
+
+        def build(o: Any) -> Any:
+            return o.tensor(arena, meshes) if isinstance(o, _WireLeaf) else map_containers(o, build)
+
+        try:
+            self.state = build(wire["state"])
+        except Exception as e:  # noqa: BLE001 - this writer still joins DCP's planning, and fails it there
+            self.state, self.error = {}, e
+        return self
 
     def fail(self, error: BaseException) -> None:
         """Carried into :meth:`run`: this rank fails DCP's planning, so every rank fails."""

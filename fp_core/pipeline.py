@@ -76,6 +76,7 @@ from .plan import StorageExtent
 from .process_writer import (
     WRITERS,
     ProcessCollectiveSave,
+    ProcessDcpSave,
     ProcessSave,
     ProcessShardedFileSave,
     WriterProcess,
@@ -520,19 +521,18 @@ class AsyncCheckpointer:
         if self.writer != "process":
             return None
         is_remote, _ = paths.split(path)
-        collective = self.group is not None and not local
         sharded = api.is_sharded(obj)
-        one_file = sharded and layout == "file" and not local
+        kind = ("file" if sharded and layout == "file" else "dcp" if sharded else
+                "collective" if self.group is not None and not local else "local")
         why = ("a remote URL" if is_remote or storage_options else
-               "sharded (DTensor) state in a DCP directory" if sharded and not one_file else
-               "extra_files" if extra_files else
-               "a collective save in another format than torch's" if collective and not one_file and format != "torch"
-               else None)
-        if why is None and (collective or one_file):
-            job = self._collective_process_job(obj, path, format, metadata, one_file)
+               "extra_files without sharded state" if extra_files and kind != "dcp" else
+               f"a {kind} save in another format than torch's" if kind in ("collective", "dcp") and format != "torch"
+               else f"layout={layout!r} without sharded state" if layout is not None and not sharded else None)
+        if why is None and kind != "local":
+            job = self._collective_process_job(obj, path, format, metadata, kind, extra_files)
             if job is not None:
                 return job
-            why = (f"a {'sharded' if one_file else 'collective'} save (not every rank has a writer process, or "
+            why = (f"a {'sharded' if sharded else 'collective'} save (not every rank has a writer process, or "
                    "the group is not the whole world)")
         elif why is None:
             try:
@@ -555,15 +555,16 @@ class AsyncCheckpointer:
                 job.abort()
         if why not in self._thread_reasons:
             self._thread_reasons.add(why)
-            log.warning("fastpersist: writer='process' takes local single-file saves; %s (%s) is written by the "
-                        "thread writer", why, path)
+            log.warning("fastpersist: writer='process' does not take %s (%s): the thread writer writes it",
+                        why, path)
         return None
 
-    def _collective_process_job(self, obj: Any, path: Any, format: str, metadata: Any,
-                                one_file: bool) -> ProcessCollectiveSave | None:
-        """A collective save, or a sharded one as one file (``one_file``), run by the writer
-        processes (every rank takes the same route: decided together at the first such
-        save, :func:`join_writers`), or None."""
+    def _collective_process_job(self, obj: Any, path: Any, format: str, metadata: Any, kind: str,
+                                extra_files: Any) -> ProcessCollectiveSave | None:
+        """A save of every rank run by the writer processes (``kind``: ``collective``, a
+        sharded state as one ``file``, or a ``dcp`` directory); every rank takes the same
+        route, decided together at the first such save (:func:`join_writers`). None: the
+        thread writer takes it."""
         if self._writers_joined is None:
             import torch.distributed as dist
 
@@ -588,12 +589,18 @@ class AsyncCheckpointer:
                 "(restart the run, or use writer='thread')")
         keep = min(self.max_in_flight, 8)
         job: ProcessCollectiveSave
-        if one_file:
+        if kind == "file":
             from .sharded_file import ShardedFileSave
 
             inner = ShardedFileSave(obj, path, self.group, options=self.options, format=format, metadata=metadata,
                                     timeout_s=self.timeout_s)
             job = ProcessShardedFileSave(inner, self._writer_proc, self.options, keep_arenas=keep)
+        elif kind == "dcp":
+            from .dcp_save import DcpSave
+
+            inner = DcpSave(obj, path, self.group, options=self.options, timeout_s=self.timeout_s,
+                            extra_files=extra_files)
+            job = ProcessDcpSave(inner, self._writer_proc, self.options, keep_arenas=keep)
         else:
             job = ProcessCollectiveSave(obj, path, self._writer_proc, self.options, topology=self.topology,
                                         keep_arenas=keep)

@@ -514,11 +514,15 @@ class ProcessCollectiveSave(ProcessSave):
                 self._failed = e
         self._hand_over_failure()
 
+    def _failure_spec(self) -> dict:
+        """What the writer needs to take part in the save's protocol with nothing to write."""
+        return {}
+
     def _hand_over_failure(self) -> None:
         e = self._local_error()
         spec = {"final": self.final, "path": self.final, "plan": None, "topology": self.topology,
                 "options": dataclasses.asdict(self.options), "live": {}, "nfds": 0,
-                "error": f"{type(e).__name__}: {e}", "serialize": e is self.plan_error}
+                "error": f"{type(e).__name__}: {e}", "serialize": e is self.plan_error, **self._failure_spec()}
         self.handed = True
         self.writer.send((self.kind, self.seq, spec))
 
@@ -595,6 +599,27 @@ class ProcessShardedFileSave(ProcessCollectiveSave):
         return {"topology": "replica", "sharded": self.inner.wire()}
 
 
+class ProcessDcpSave(ProcessCollectiveSave):
+    """A sharded save into a DCP directory (:class:`fp_core.dcp_save.DcpSave`) run by the
+    writer processes: this rank's local shards snapshotted into its arena, the state's
+    structure and each DTensor's mesh, placements and global shape handed over, and
+    ``torch.distributed.checkpoint.save`` run by the writers among themselves (over meshes
+    of their own with the same ranks)."""
+
+    def __init__(self, inner: Any, writer: WriterProcess, options: EngineOptions, keep_arenas: int = 1) -> None:
+        self._setup(inner.final, writer, options, keep_arenas, time.perf_counter())
+        self.inner, self.topology = inner, "replica"
+        self.plan, self.plan_error = inner.plan, None
+        self.stats = inner.stats
+        self.seq = writer.next_seq()
+
+    def _more_spec(self) -> dict:
+        return {"topology": "replica", "dcp": self.inner.wire()}
+
+    def _failure_spec(self) -> dict:
+        return {"dcp": {"state": {}, "extra_files": {}}}
+
+
 _joins = itertools.count()  # writers' groups joined by this process: the same order on every rank
 
 
@@ -642,4 +667,4 @@ def _plan_for_wire(plan: FilePlan) -> FilePlan:
     return wire
 
 
-__all__ = ["WriterProcess", "ProcessSave", "ProcessCollectiveSave", "ProcessShardedFileSave", "WriterProcessError", "WRITERS", "join_writers"]
+__all__ = ["WriterProcess", "ProcessSave", "ProcessCollectiveSave", "ProcessShardedFileSave", "ProcessDcpSave", "WriterProcessError", "WRITERS", "join_writers"]

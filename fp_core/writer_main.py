@@ -214,11 +214,21 @@ def _run_collective(spec: dict, group: Any) -> dict:
     plan_error = (None if error is None else
                   CheckpointSerializationError(error) if spec.get("serialize") else CheckpointError(error))
     options = EngineOptions(**spec["options"])
-    if plan is not None and spec.get("sharded"):
+    if spec.get("dcp") is not None:  # a sharded checkpoint directory: DCP's protocol, not ours
+        import torch
+
+        from fp_core.dcp_save import DcpSave
+
+        if plan is not None:
+            plan.storages = []
+        job: Any = DcpSave.from_wire(spec["dcp"], view if view is not None else torch.empty(0, dtype=torch.uint8),
+                                     spec["final"], cg=dist.group.WORLD, options=options)
+        job.error = job.error or plan_error
+    elif plan is not None and spec.get("sharded"):
         from fp_core.sharded_file import ShardedFileSave
 
         plan.storages = []
-        job: Any = ShardedFileSave.from_wire(spec["sharded"], view, spec["final"], cg=dist.group.WORLD,
+        job = ShardedFileSave.from_wire(spec["sharded"], view, spec["final"], cg=dist.group.WORLD,
                                              options=options)
     else:
         job = CollectiveSave.from_plan(plan, spec["final"], plan_error=plan_error, cg=dist.group.WORLD,

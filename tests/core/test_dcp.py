@@ -261,12 +261,15 @@ def test_a_stock_directory_is_not_called_verified(tmp_path):
         fp_core.verify(d)
 
 
-@pytest.mark.parametrize("policy", ["overlap", "snapshot", "sync"])
-def test_fsdp2_state_saved_while_training_steps_on(tmp_path, policy):
+@pytest.mark.parametrize("policy", ["overlap", "snapshot", "sync", "process"])
+def test_fsdp2_state_saved_while_training_steps_on(tmp_path, policy, shm_root):
     """AsyncCheckpointer (and fp_core.save) take FSDP2 state: every rank writes its shards
     through DCP while three optimizer steps follow each save at once; each checkpoint holds
-    the state at save time (the training did change it), its extra file, and verifies."""
+    the state at save time (the training did change it), its extra file, and verifies.
+    ``process``: the writer processes run DCP's save among themselves."""
     res = run_ranks("dcp_async.py", tmp_path, policy)
+    if policy != "sync":
+        assert res["writers"] == ["process" if policy == "process" else "thread"] * 3, res
     assert len(res["saves"]) == 3
     for s in res["saves"]:
         assert s == {"equal": True, "meta": True, "changed_since": True}, s

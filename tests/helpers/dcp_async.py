@@ -2,7 +2,7 @@
 by fp_core.AsyncCheckpointer (or fp_core.save) while training steps on.
 
 Usage: python dcp_async.py RANK WORLD PORT DIR POLICY
-POLICY: overlap | snapshot | sync, or a failure: fail (rank 1's write fails on the third
+POLICY: overlap | snapshot | sync | process (writer="process": the writer processes run DCP), or a failure: fail (rank 1's write fails on the third
 save), rebuildfail (rank 1 cannot rebuild its state for the third save), pendingfail (rank
 0 has an earlier job's failure pending when the second save starts)
 
@@ -64,7 +64,8 @@ def main() -> None:
     step(m, opt, 0)
     result: dict = {"saves": []}
     ckpt = None if policy == "sync" else fp_core.AsyncCheckpointer(
-        policy=policy if policy in ("overlap", "snapshot") else "overlap")
+        policy=policy if policy in ("overlap", "snapshot") else "snapshot" if policy == "process" else "overlap",
+        writer="process" if policy == "process" else "thread")
     for i in range(3):
         path = os.path.join(d, f"step{i}")
         msd, osd = get_state_dict(m, opt)
@@ -96,7 +97,7 @@ def main() -> None:
             for k in range(0 if policy in ("fail", "rebuildfail") and i == 2 else 3):
                 step(m, opt, 10 * i + k + 1)
             if ckpt is not None:
-                h.result()
+                result.setdefault("writers", []).append(h.result().extra.get("writer", "thread"))
         except Exception as e:  # noqa: BLE001 - reported to the test
             result["saves"].append({"error": f"{type(e).__name__}: {e}", "listing": sorted(os.listdir(d)),
                                     "seconds": time.monotonic() - t_save})

@@ -11,8 +11,9 @@ writers run the collective save among themselves. Each rank writes ``DIR/result{
   rank 0 declining one save that it writes alone, and one more collective save.
 * ``kill-after-fence``: rank 1 SIGKILLs itself right after generation 2's save and fence;
   rank 0's save must still commit (rank 1's orphaned writer does its share).
-* ``sharded-kill-after-fence``: the same with FSDP2-like DTensor state saved as one file
-  (``layout="file"``): rank 1's orphaned writer writes its rows.
+* ``sharded-kill-after-fence``, ``dcp-kill-after-fence``: the same with FSDP2-like DTensor
+  state saved as one file (``layout="file"``) or a DCP directory: rank 1's orphaned writer
+  writes its rows.
 * ``writer-killed``: rank 1's writer is SIGKILLed between saves: the next collective save
   fails on every rank with an error that says so, and generation 1 stays.
 * ``no-shared-memory-on-1``: rank 1 may not use shared memory: every rank's collective
@@ -52,8 +53,13 @@ def sharded_state(gen: int, mesh) -> dict:
 
 
 def generation(path: str) -> int:
-    """The generation the whole file holds (raises if torn or mixed)."""
+    """The generation the whole file (or DCP directory) holds (raises if torn or mixed)."""
     fp_core.verify(path)
+    if os.path.isdir(path):
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(path, path + ".pt")
+        path += ".pt"
     obj = torch.load(path, weights_only=True)
     g = obj["gen"]
     assert all(bool((obj[k] == g).all()) for k in ("w", "b", "h")), f"{path}: mixed generations"
@@ -114,22 +120,23 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         st2["w"].fill_(99.0)  # the next step: the checkpoint must not see it
         out["second"] = error_of(h.result)
         out["gen"] = generation(path)
-    elif scenario == "sharded-kill-after-fence":
+    elif scenario in ("sharded-kill-after-fence", "dcp-kill-after-fence"):
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
-        one = os.path.join(d, "full.pt")
-        ck.save(sharded_state(1, mesh), one, layout="file").result()
+        layout = "file" if scenario.startswith("sharded") else "dcp"
+        one = os.path.join(d, "full.pt" if layout == "file" else "dcp-dir")
+        ck.save(sharded_state(1, mesh), one, layout=layout).result()
         with open(os.path.join(d, f"writer{rank}.pid"), "w") as f:
             f.write(str(ck._writer_proc.pid))
         st2 = sharded_state(2, mesh)
-        h = ck.save(st2, one, layout="file")
+        h = ck.save(st2, one, layout=layout)
         ck.fence()
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         st2["w"].to_local().fill_(99.0)  # the next step: the checkpoint must not see it
         stats = h.result()
-        out["second"] = {"writer": stats.extra.get("writer"), "layout": stats.extra.get("layout")}
+        out["second"] = {"writer": stats.extra.get("writer"), "layout": stats.extra.get("layout", "dcp")}
         out["gen"] = generation(one)
     elif scenario == "writer-killed":
         dist.barrier()
