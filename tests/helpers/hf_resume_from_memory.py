@@ -17,7 +17,9 @@ the step) and trains to step 8 without saving:
 * ``fp``: with ``FastPersistCallback(writer="process", resume_from_memory=True)``;
 * ``damage``: first a byte of every image is flipped (in its largest record: a tensor
   where the file holds any, else the pickle), then as ``fp``;
-* ``remove``: first every image is removed, then as ``fp``.
+* ``remove``: first every image is removed, then as ``fp``;
+* ``save``: as ``fp``, saving every 2 steps with the writer process; its report lists what
+  is left in the shared-memory directory once ``train()`` has returned.
 
 Each writes ``DIR/<step>.pt``: the state right after the resume (at the first step's
 start: weights, optimizer, scheduler, global step, RNG) and at the end, and
@@ -149,9 +151,9 @@ def resume(directory: str, step: str) -> None:
         report["removed"] = _remove(directory)
     cap = Capture()
     fp = step != "stock"
+    saving = {"save_steps": 2} if step == "save" else {"save_strategy": "no"}
     t, cb = make_trainer(os.path.join(directory, f"resumed-{step}"), fp=fp, callbacks=[cap], max_steps=8,
-                         save_strategy="no",
-                         cb_kwargs={"writer": "process", "resume_from_memory": True} if fp else None)
+                         cb_kwargs={"writer": "process", "resume_from_memory": True} if fp else None, **saving)
     cap.trainer = t
     handler = Warnings()
     logging.getLogger("fastpersist").addHandler(handler)
@@ -163,6 +165,8 @@ def resume(directory: str, step: str) -> None:
     torch.save({"at_resume": cap.at_resume, "end": _state(t)}, os.path.join(directory, f"{step}.pt"))
     report.update(hits=memory_image.hits - hits, warnings=handler.messages,
                   memory=cb.load_stats.get("memory") if cb is not None else None)
+    if step == "save":
+        report["left"] = sorted(os.listdir(memory_image.directory(create=False)))
     with open(os.path.join(directory, f"{step}.json"), "w") as f:
         json.dump(report, f)
 

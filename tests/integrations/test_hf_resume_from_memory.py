@@ -54,8 +54,8 @@ def runs(tmp_path_factory):
     safetensors file), ``sharded`` (the same, the weights in three shards) and ``off``
     (without resume_from_memory, shared memory of its own). Each orphaned writer is gone
     before the checkpoints are resumed; then one process resumes ``on``'s checkpoint as
-    stock, from memory, with damaged images and with none, and ``sharded``'s as stock
-    and from memory. Yields ``{name: (run directory, shared-memory root)}``."""
+    stock, from memory, with damaged images and with none, and ``sharded``'s as stock,
+    from memory, and from memory in a run that saves on. Yields ``{name: (run directory, shared-memory root)}``."""
     from process_writer_victim import wait_gone
 
     roots = {k: os.path.join("/dev/shm", "fp-hfm-" + uuid.uuid4().hex[:8]) for k in ("shared", "off")}
@@ -73,7 +73,7 @@ def runs(tmp_path_factory):
                 assert wait_gone(int(f.read()), 60)  # the orphaned writer has left, images kept or not
             fp_core.verify(os.path.join(d, "checkpoint-4"))  # committed: the directory and its files
         _finish(_start(["resume", out["on"][0], "stock", "fp", "damage", "remove",
-                        out["sharded"][0], "stock", "fp"], roots["shared"]), 0)
+                        out["sharded"][0], "stock", "fp", "save"], roots["shared"]), 0)
         yield out
     finally:
         for r in roots.values():
@@ -128,6 +128,13 @@ def test_sharded_weights_are_read_from_their_images(runs):
     report = _resumed_as_stock(runs["sharded"][0], "fp")
     assert set(report["memory"]["files"]) == SHARDS | {"optimizer.pt", "scheduler.pt"}
     assert report["hits"] == 5 and report["warnings"] == []
+
+
+def test_a_run_resumed_from_memory_that_saves_on_leaves_no_image_at_its_end(runs):
+    report = _resumed_as_stock(runs["sharded"][0], "save")
+    assert report["hits"] == 5
+    # the killed runs' images it read, and its own arenas, are gone with its clean end
+    assert report["left"] == []
 
 
 def test_a_damaged_image_is_refused_and_the_disk_read(runs):
