@@ -111,14 +111,30 @@ class WriterProcess:
         """``fds`` go right behind the message (its spec says how many)."""
         if self._gone is not None:
             raise WriterProcessError(self._gone)
+        from multiprocessing.reduction import ForkingPickler
+
+        data = bytes(ForkingPickler.dumps(msg))  # a message that cannot be pickled fails here, whole
         try:
             with self._send_lock:
-                self.conn.send(msg)
+                self.conn.send_bytes(data)
                 if fds:
                     socket.send_fds(self._sock, [b"F"], fds)
         except OSError as e:
+            self._cut_short()
             self._died(f"sending to it failed: {e}")
             raise WriterProcessError(self._gone) from e
+        except BaseException:
+            # ^C (or any exception) between the writes of one message: the rest of the stream
+            # would be read as garbage. It ends here: the writer writes the jobs it holds
+            # whole and exits; the next save starts another.
+            self._cut_short()
+            self._gone = (f"the checkpoint writer process (pid {self.pid}) was let go: sending it a job was "
+                          "interrupted; the jobs it had whole are still written")
+            raise
+
+    def _cut_short(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_WR)
 
     def skip(self, seq: int) -> None:
         """Job ``seq`` will never come (it failed before its hand-over): the writer goes on."""

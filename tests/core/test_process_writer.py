@@ -3,6 +3,7 @@ memory, a checkpoint that survives its trainer, and resume from memory."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -148,6 +149,36 @@ def test_a_writer_killed_mid_save_fails_that_save_and_the_next_starts_another(di
         assert f"writer process {second} exited" in caplog.text
         assert _equal(torch.load(os.path.join(disk_dir, "d.pt"), weights_only=True), _state(3))
     fp_core.clean(disk_dir)  # the killed writer's file under its temporary name (its pid is gone)
+    assert_no_temps(disk_dir)
+
+
+@pytest.mark.parametrize("cut", ["interrupt", "oserror"])
+def test_a_job_cut_short_on_its_way_to_the_writer_ends_that_writer_not_the_run(disk_dir, shm_root, cut):
+    """^C (or a failed write) between the writes of one job's message: what the writer
+    would read next is not a message. The stream ends there: the writer writes what it
+    had whole and exits, the save raises, and the next save starts another writer."""
+    small = {"w": torch.arange(1000, dtype=torch.float32)}  # copied in save(): handed over there
+    with AsyncCheckpointer(writer="process") as ck:
+        ck.save(small, os.path.join(disk_dir, "a.pt")).result()
+        wp = ck._writer_proc
+        real = wp.conn.send_bytes
+
+        def half_then_fail(data):
+            os.write(wp.conn.fileno(), len(data).to_bytes(4, "big") + bytes(data[: len(data) // 2]))
+            raise KeyboardInterrupt if cut == "interrupt" else BrokenPipeError(32, "injected")
+
+        wp.conn.send_bytes = half_then_fail
+        with pytest.raises(KeyboardInterrupt if cut == "interrupt" else Exception):
+            ck.save({"w": torch.zeros(1000)}, os.path.join(disk_dir, "b.pt")).result()
+        wp.conn.send_bytes = real
+        assert wait_gone(wp.pid, 30), "the writer cut short did not exit"
+        assert not os.path.exists(os.path.join(disk_dir, "b.pt"))
+        with contextlib.suppress(Exception):
+            ck.wait()  # the failed save, if it was queued, is reported here once
+        ck.save(small, os.path.join(disk_dir, "c.pt")).result()
+        assert ck._writer_proc is not wp and ck._writer_proc.alive
+    for name in ("a.pt", "c.pt"):
+        assert _equal(torch.load(os.path.join(disk_dir, name), weights_only=True), small)
     assert_no_temps(disk_dir)
 
 
