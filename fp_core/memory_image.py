@@ -447,6 +447,50 @@ def drop_loaded() -> None:
                     os.unlink(p)
 
 
+def kept_images(d: str) -> list[dict]:
+    """The committed images in ``d``: each one's file, the checkpoint it holds, its size,
+    whether that file is still the one it is an image of (``current``), and whether its
+    owner (a trainer or its writer) still runs (``live``)."""
+    out = []
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return out
+    for name in names:
+        if not name.endswith(INDEX_SUFFIX) or owner_of(name) is None:
+            continue
+        info = _read_index(os.path.join(d, name))
+        if info is None:
+            continue
+        image = os.path.join(d, info["image"])
+        try:
+            size = os.stat(image).st_size
+        except OSError:
+            continue
+        try:
+            current = _identity(os.stat(info["target"])) == info["identity"]
+        except OSError:
+            current = False
+        out.append({"image": image, "checkpoint": info["final"], "bytes": size, "current": current,
+                    "live": _held(d, owner_of(name))})
+    return out
+
+
+def remove_kept(d: str) -> list[str]:
+    """Remove the images kept for a restart whose owner is gone (never a running one's),
+    with every other leftover of gone owners; returns the images removed."""
+    removed = []
+    for info in kept_images(d):
+        if info["live"]:
+            continue
+        for p in (index_path(info["image"]), info["image"]):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        removed.append(info["image"])
+    clean_stale(d)
+    return removed
+
+
 def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str | None = None) -> None:
     """Remove the files of owners whose trainer and writer are both gone (lock not held),
     but for committed images kept for a restart; those images too where their checkpoint

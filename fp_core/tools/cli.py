@@ -1,4 +1,4 @@
-"""The ``fastpersist`` command: verify, inspect, clean, bench.
+"""The ``fastpersist`` command: verify, inspect, clean, images, bench.
 
 ``python -m fp_core.tools.cli`` is the same command. ``verify``, ``inspect`` and ``clean``
 import only the runtime; the benchmarks are imported when ``bench`` runs (its options come
@@ -109,6 +109,36 @@ def _cmd_clean(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_images(args: argparse.Namespace) -> int:
+    from .. import memory_image
+
+    try:
+        d = memory_image.directory(create=False)
+    except PermissionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_IO
+    if d is None:
+        print("no shared-memory images (no directory for this user)")
+        return 0
+    if args.remove:
+        removed = memory_image.remove_kept(d)
+        for p in removed:
+            print(f"removed {p}")
+        print(f"{len(removed)} image(s) removed; those of running trainers are kept")
+        return 0
+    images = memory_image.kept_images(d)
+    if args.json:
+        print(json.dumps(images, indent=1))
+        return 0
+    for info in images:
+        state = ("holds " if info["current"] else "stale: no longer ") + info["checkpoint"]
+        owner = "running" if info["live"] else "owner gone"
+        print(f"{info['image']}  {info['bytes'] / 2**20:.1f} MiB  {state}  ({owner})")
+    total = sum(i["bytes"] for i in images)
+    print(f"{len(images)} image(s), {total / 2**20:.1f} MiB in {d}")
+    return 0
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.run_dcp:
         from .bench_dcp import run_dcp
@@ -149,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dir")
     c.add_argument("-r", "--recursive", action="store_true")
     c.set_defaults(func=_cmd_clean)
+
+    m = sub.add_parser("images", help="list the checkpoint images kept in shared memory for a restart "
+                       "(writer='process', resume_from_memory=True); --remove frees those whose run is gone")
+    m.add_argument("--remove", action="store_true", help="remove the images of runs that are gone")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=_cmd_images)
 
     b = sub.add_parser("bench", help="benchmark against torch.save, Lightning, safetensors, DCP")
     bench_args.add_arguments(b)

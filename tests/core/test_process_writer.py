@@ -392,6 +392,32 @@ def test_a_restart_with_the_same_pid_is_another_owner(disk_dir, shm_root):
     assert _images(shm_root) == []  # the old image was superseded by the new commit; close removed the rest
 
 
+def test_the_images_command_lists_kept_images_and_frees_only_those_of_runs_gone(disk_dir, shm_root, capsys):
+    from fp_core.tools.cli import main
+
+    gone_path, live_path = os.path.join(disk_dir, "gone.pt"), os.path.join(disk_dir, "live.pt")
+    gone = AsyncCheckpointer(writer="process", resume_from_memory=True)
+    gone.save(_state(), gone_path).result()
+    wp = gone._writer_proc
+    wp._free.clear()  # what a SIGKILL leaves: the image and its record, the owner's locks let go
+    wp._all = type(wp._all)()
+    wp.lock.release()
+    with AsyncCheckpointer(writer="process", resume_from_memory=True) as live:
+        live.save(_state(1), live_path).result()
+        assert main(["images", "--json"]) == 0
+        listed = {i["checkpoint"]: i for i in json.loads(capsys.readouterr().out)}
+        assert listed[gone_path]["live"] is False and listed[live_path]["live"] is True
+        assert all(i["current"] and i["bytes"] >= os.path.getsize(p) for p, i in listed.items())
+        assert main(["images"]) == 0 and "owner gone" in capsys.readouterr().out
+        assert main(["images", "--remove"]) == 0
+        assert "1 image(s) removed" in capsys.readouterr().out
+        assert memory_image.find(gone_path) is None  # freed: a load reads the disk
+        assert memory_image.find(live_path) is not None  # a running trainer's image is never touched
+        assert _equal(fp_core.load(gone_path, weights_only=True), _state())
+    wp.close()
+    assert _images(shm_root) == []
+
+
 def test_a_failure_before_the_hand_over_does_not_stall_later_saves(disk_dir, shm_root, monkeypatch):
     """An arena that cannot be had on the writer thread (cpu_work_at_save=False) fails that
     save; its sequence number is skipped, so the next saves are not held up behind it."""
