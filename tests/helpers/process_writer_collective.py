@@ -37,9 +37,11 @@ import torch.distributed as dist  # noqa: E402
 
 import fp_core  # noqa: E402
 
+MIB = int(os.environ.get("FP_TEST_MIB", "3"))  # the benchmark's states are larger
+
 
 def state(gen: int) -> dict:
-    return {"w": torch.full((3 << 18,), float(gen)), "b": torch.full((1000,), float(gen)),
+    return {"w": torch.full((MIB << 18,), float(gen)), "b": torch.full((1000,), float(gen)),
             "h": torch.full((77, 3), gen, dtype=torch.bfloat16), "gen": gen}
 
 
@@ -48,7 +50,7 @@ def sharded_state(gen: int, mesh) -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     full = state(gen)
-    return {"w": distribute_tensor(full["w"][:700_007].reshape(-1, 7).clone(), mesh, [Shard(0)]),
+    return {"w": distribute_tensor(full["w"][: 7 * ((MIB << 18) // 7 - 1)].reshape(-1, 7).clone(), mesh, [Shard(0)]),
             "b": distribute_tensor(full["b"], mesh, [Replicate()]), "h": full["h"], "gen": gen}
 
 
@@ -82,12 +84,15 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         os.makedirs(os.path.join(bad, f"fastpersist-{os.geteuid()}"), mode=0o777, exist_ok=True)
         os.chmod(os.path.join(bad, f"fastpersist-{os.geteuid()}"), 0o777)
         os.environ["FASTPERSIST_SHM_DIR"] = bad
-    ck = fp_core.AsyncCheckpointer(writer="process", group=dist.group.WORLD, policy="snapshot", timeout_s=60)
+    # the benchmark's control runs the same trials with the thread writer (FP_TEST_WRITER=thread)
+    ck = fp_core.AsyncCheckpointer(writer=os.environ.get("FP_TEST_WRITER", "process"), group=dist.group.WORLD,
+                                   policy="snapshot", timeout_s=60)
     st = state(1)
     stats = ck.save(st, path).result()
     out["first"] = {"writer": stats.extra.get("writer"), "writer_ranks": stats.extra.get("writer_ranks"),
                     "rank_bytes": stats.extra.get("rank_bytes")}
     out["writer_pid"] = ck._writer_proc.pid if ck._writer_proc is not None else 0
+    kill_delay = float(os.environ.get("FP_KILL_DELAY_MS", "0")) / 1e3  # after the fence (the benchmark's)
     if scenario == "together":
         h = ck.save(state(2), path)
         ck.fence()
@@ -111,15 +116,16 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         out["last"] = generation(path)
     elif scenario == "kill-after-fence":
         with open(os.path.join(d, f"writer{rank}.pid"), "w") as f:
-            f.write(str(ck._writer_proc.pid))
+            f.write(str(out["writer_pid"]))
         st2 = state(2)
         h = ck.save(st2, path)
         ck.fence()
         if rank == 1:
+            time.sleep(kill_delay)
             os.kill(os.getpid(), signal.SIGKILL)
         st2["w"].fill_(99.0)  # the next step: the checkpoint must not see it
         out["second"] = error_of(h.result)
-        out["gen"] = generation(path)
+        out["gen"] = generation(path)  # the thread writer's control: rank 0's save fails, 1 stays
     elif scenario in ("sharded-kill-after-fence", "dcp-kill-after-fence"):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -128,11 +134,12 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         one = os.path.join(d, "full.pt" if layout == "file" else "dcp-dir")
         ck.save(sharded_state(1, mesh), one, layout=layout).result()
         with open(os.path.join(d, f"writer{rank}.pid"), "w") as f:
-            f.write(str(ck._writer_proc.pid))
+            f.write(str(out["writer_pid"]))
         st2 = sharded_state(2, mesh)
         h = ck.save(st2, one, layout=layout)
         ck.fence()
         if rank == 1:
+            time.sleep(kill_delay)
             os.kill(os.getpid(), signal.SIGKILL)
         st2["w"].to_local().fill_(99.0)  # the next step: the checkpoint must not see it
         stats = h.result()
