@@ -31,7 +31,7 @@ import json
 import os
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from . import _native, commit, integrity
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
@@ -183,14 +183,18 @@ def _check_listed(d: str, listed: dict) -> None:
             raise DirectoryChangedError(p, name + "/", f"not a directory: {name} is one {where}")
 
 
-def verify_dir(path: str | os.PathLike, verify_dcp: Callable[[str], dict], *, check_listed: bool = True) -> dict:
+def verify_dir(path: str | os.PathLike, verify_dcp: Callable[[str], dict], *, check_listed: bool = True,
+               skip: Collection[str] = ()) -> dict:
     """Verify every file of the directory ``path`` (see the module doc); its sharded DCP
     subdirectories with ``verify_dcp`` (:func:`fp_core.dcp.verify_dir`, which hands a
     directory that is not DCP's here). Returns a report: ``files`` checked (a DCP directory
     counts its rank files), ``verified`` of them against checksums, ``records``, ``bytes``,
     ``unchecked`` (names FastPersist cannot check), ``reports`` (one per file or
     subdirectory checked), ``manifest`` (whether the directory has one: then every file it
-    lists was found, of its size) and ``extra`` (names present that it does not list)."""
+    lists was found, of its size) and ``extra`` (names present that it does not list).
+    ``skip``: regular files whose bytes the caller checks as it reads them (from their
+    shared-memory images): listed ones still checked for presence and size, their bytes
+    not read here; counted as verified, named in ``skipped``."""
     t0 = time.perf_counter()
     d = os.fspath(path)
     listed = read_dir_manifest(d)
@@ -199,6 +203,7 @@ def verify_dir(path: str | os.PathLike, verify_dcp: Callable[[str], dict], *, ch
     reports: list[dict] = []
     unchecked: list[str] = []
     extra: list[str] = []
+    skipped: list[str] = []
     for name in sorted(os.listdir(d)):
         if name.startswith("."):  # staging and bookkeeping of a save in progress, never a checkpoint
             continue
@@ -206,6 +211,10 @@ def verify_dir(path: str | os.PathLike, verify_dcp: Callable[[str], dict], *, ch
         st = os.lstat(p)
         if listed is not None and name not in listed["files"] and name not in listed["dirs"]:
             extra.append(name + "/" if stat.S_ISDIR(st.st_mode) else name)
+        if name in skip and stat.S_ISREG(st.st_mode):
+            skipped.append(name)
+            reports.append({"path": p, "kind": "skipped", "checksums": True, "records": 0, "bytes": 0})
+            continue
         if stat.S_ISDIR(st.st_mode):
             if not is_dcp_dir(p):
                 unchecked.append(name + "/")
@@ -233,6 +242,7 @@ def verify_dir(path: str | os.PathLike, verify_dcp: Callable[[str], dict], *, ch
         "records": sum(r.get("records", 0) for r in reports),
         "bytes": sum(r.get("bytes", 0) for r in reports),
         "unchecked": unchecked, "reports": reports, "manifest": listed is not None, "extra": extra,
+        "skipped": skipped,
         "seconds": time.perf_counter() - t0,
     }
     if not report["verified"]:

@@ -796,16 +796,23 @@ def publish_dir(staging: str, final: str) -> None:
     first moves beside the directory it names."""
     final = resolve_dir(final)
     parent = os.path.dirname(final)
-    if os.path.dirname(os.path.realpath(staging)) == parent:
+    src = os.path.realpath(staging)
+    if os.path.dirname(src) == parent:
         _publish_dir(staging, final)
-        return
-    moved = os.path.join(parent, os.path.basename(staging))
-    os.rename(staging, moved)  # same filesystem as the link's own directory, or EXDEV: a clear error
-    try:
-        _publish_dir(moved, final)
-    except BaseException:
-        shutil.rmtree(moved, ignore_errors=True)  # where the caller's clean-up of its staging cannot see it
-        raise
+    else:
+        moved = os.path.join(parent, os.path.basename(staging))
+        os.rename(staging, moved)  # same filesystem as the link's own directory, or EXDEV: a clear error
+        try:
+            _publish_dir(moved, final)
+        except BaseException:
+            shutil.rmtree(moved, ignore_errors=True)  # where the caller's clean-up of its staging cannot see it
+            raise
+    from . import memory_image
+
+    try:  # the images of its files in shared memory (resume from memory) follow it
+        memory_image.moved(src, os.path.realpath(final))
+    except OSError as e:  # the directory is committed; only the resume from memory is lost
+        log.warning("fastpersist: the shared-memory images of %s do not follow it to %s: %s", staging, final, e)
 
 
 def _publish_dir(staging: str, final: str) -> None:

@@ -221,6 +221,35 @@ def record(image: str, final: str, target: str) -> None:
     os.replace(tmp, idx)
 
 
+def moved(src_dir: str, dst_dir: str) -> None:
+    """The directory ``src_dir`` is now ``dst_dir`` (renamed whole: its files keep their
+    inodes and times; a directory commit, :func:`fp_core.commit.publish_dir`): the records
+    of the images of its files name them there, so a load of the new name finds its image
+    and a clean-up does not take the image for one of a removed file. Both real paths."""
+    try:
+        d = directory(create=False)
+    except PermissionError:
+        return
+    if d is None:
+        return
+    for name in os.listdir(d):
+        if not name.endswith(INDEX_SUFFIX) or owner_of(name) is None:
+            continue
+        full = os.path.join(d, name)
+        info = _read_index(full)
+        if info is None or os.path.dirname(info["target"]) != src_dir:
+            continue
+        for k in ("target", "final"):
+            info[k] = os.path.join(dst_dir, os.path.basename(info[k]))
+        tmp = full + ".tmp"
+        fd = _open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.write(fd, json.dumps(info).encode())
+        finally:
+            os.close(fd)
+        os.replace(tmp, full)
+
+
 def _read_index(path: str) -> dict | None:
     try:
         fd = _open_private(path, os.O_RDONLY)

@@ -150,7 +150,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,15 +237,18 @@ def _safetensors_writes_go_to(save_file: Callable[..., None]) -> Iterator[None]:
 # Resume from memory: the stock resume's reads of a checkpoint's files from their images
 # ---------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _reads_from_memory(checkpoint: str, read: dict[str, int]) -> Iterator[None]:
+def _reads_from_memory(checkpoint: str, read: dict[str, int], unverified: list[str] | None = None) -> Iterator[None]:
     """Within the block, the stock resume's reads of a file directly in ``checkpoint`` that
     the writer process left a live shared-memory image of (``writer="process",
     resume_from_memory=True``, the file unchanged since) read that image instead of the
     disk: ``torch.load`` and safetensors' ``load_file`` of that path become
     ``fp_core.load`` of the image, every byte checked against the file's checksums. An
     image that fails is logged and the stock call reads the disk. Every other read is the
-    stock call itself. ``read`` gets each file read from memory with its size. Main
-    thread, one block at a time, process-wide (as :func:`_safetensors_writes_go_to`)."""
+    stock call itself. ``read`` gets each file read from memory with its size.
+    ``unverified``: names whose bytes on disk the resume's check left to this read (they
+    had an image then): a stock read of one checks the file first (:func:`_verify_file`)
+    and takes it out. Main thread, one block at a time, process-wide (as
+    :func:`_safetensors_writes_go_to`)."""
     import safetensors.torch as st_torch
     import transformers.trainer_utils as tu
 
@@ -274,7 +277,18 @@ def _reads_from_memory(checkpoint: str, read: dict[str, int]) -> Iterator[None]:
         except fp_api._MemoryImageFailed:
             return False, None
         read[os.path.basename(p)] = os.path.getsize(image)
+        if unverified and os.path.basename(p) in unverified:
+            unverified.remove(os.path.basename(p))  # checked as it was read
         return True, out
+
+    def from_disk(f: Any) -> None:
+        """Before a stock read: a file whose check was left to its image is checked now."""
+        if unverified and isinstance(f, (str, os.PathLike)) and not isinstance(os.fspath(f), bytes):
+            p = os.fspath(f)
+            name = os.path.basename(p)
+            if name in unverified and os.path.dirname(os.path.realpath(p)) == where:
+                _verify_file(p, checkpoint)
+                unverified.remove(name)
 
     orig_torch_load = torch.load
     orig_load_file = st_torch.load_file
@@ -289,6 +303,7 @@ def _reads_from_memory(checkpoint: str, read: dict[str, int]) -> Iterator[None]:
             ok, out = from_image(found, map_location=map_location, weights_only=weights_only)
             if ok:
                 return out
+        from_disk(f)
         return orig_torch_load(f, map_location, pickle_module, weights_only=weights_only, mmap=mmap,
                                **pickle_load_args)
 
@@ -299,6 +314,7 @@ def _reads_from_memory(checkpoint: str, read: dict[str, int]) -> Iterator[None]:
             ok, out = from_image(found, map_location=device)
             if ok:
                 return out
+        from_disk(filename)
         return orig_load_file(filename, device=device)
 
     with _intercept_lock:
@@ -672,8 +688,15 @@ class FastPersistCallback(TrainerCallback):
         """Resume: check the checkpoint's bytes against their checksums before loading any.
         A path that is not a directory gets the Trainer's own error ("Can't find a valid
         checkpoint at ...", a ValueError user code catches)."""
-        if self.verify_on_resume and os.path.isdir(resume_from_checkpoint):
-            verify_checkpoint_dir(resume_from_checkpoint)
+        if os.path.isdir(resume_from_checkpoint):
+            stats = self.load_stats["memory"] = {"checkpoint": resume_from_checkpoint, "files": {},
+                                                 "left_to_images": [], "unverified": []}
+            if self.verify_on_resume:
+                # the files the stock resume reads from their images are checked there, byte
+                # for byte, and not read from disk here (a disk read of one checks it first)
+                stats["left_to_images"] = sorted(_images_in(resume_from_checkpoint))
+                stats["unverified"] = list(stats["left_to_images"])
+                verify_checkpoint_dir(resume_from_checkpoint, read_elsewhere=stats["left_to_images"])
         tr = self.trainer
         if self._full_resume(resume_from_checkpoint, FSDP_FULL_MODEL_NAME, "_load_from_checkpoint"):
             tr.accelerator.wait_for_everyone()
@@ -687,13 +710,16 @@ class FastPersistCallback(TrainerCallback):
     def _from_memory(self, checkpoint: str | None) -> contextlib.AbstractContextManager:
         """The stock resume's reads of ``checkpoint``'s files from their shared-memory images
         where there are live ones (see :func:`_reads_from_memory`); what was read so is
-        ``load_stats["memory"]``: ``{"checkpoint": path, "files": {name: bytes}}``."""
+        ``load_stats["memory"]``: ``{"checkpoint": path, "files": {name: bytes},
+        "left_to_images": the files the check before the resume did not read from disk,
+        "unverified": those of them not checked since (not read)}``."""
         if checkpoint is None or not os.path.isdir(checkpoint):
             return contextlib.nullcontext()
         stats = self.load_stats.get("memory")
         if stats is None or stats["checkpoint"] != checkpoint:
-            stats = self.load_stats["memory"] = {"checkpoint": checkpoint, "files": {}}
-        return _reads_from_memory(checkpoint, stats["files"])
+            stats = self.load_stats["memory"] = {"checkpoint": checkpoint, "files": {}, "left_to_images": [],
+                                                 "unverified": []}
+        return _reads_from_memory(checkpoint, stats["files"], stats["unverified"])
 
     def _full_resume(self, checkpoint: str | None, name: str, method: str) -> bool:
         """Resume FSDP2 FULL_STATE_DICT state from ``checkpoint/name`` by rows (not through the
@@ -1176,7 +1202,7 @@ class FastPersistCallback(TrainerCallback):
             fp_remote.remove(by_name[name], recursive=True, storage_options=self.storage_options)
 
 
-def verify_checkpoint_dir(path: str) -> int:
+def verify_checkpoint_dir(path: str, *, read_elsewhere: Collection[str] = ()) -> int:
     """Refuse a damaged ``checkpoint-N`` directory before the Trainer resumes from it.
 
     Every file in it is checked for what it is (:func:`fp_core.verify` of the directory):
@@ -1192,23 +1218,53 @@ def verify_checkpoint_dir(path: str) -> int:
     with the stock Trainer. Raises :class:`fp_core.CorruptCheckpointError` naming the file
     and the damaged record or tensor. Returns the number of files checked (0 for a
     directory in which nothing carries FastPersist's checksums: written by the Trainer
-    alone, its structure checked).
+    alone, its structure checked). ``read_elsewhere``: files whose bytes the caller checks
+    as it reads them (from their shared-memory images): here only their presence and size.
     """
     from fp_core import CorruptCheckpointError, NotAFastPersistCheckpoint, verify
     from fp_core.dcp import verify_dir as verify_dcp
 
     try:
         try:
+            if read_elsewhere:
+                return int(fp_checkpoint_dir.verify_dir(path, verify_dcp, skip=read_elsewhere)["files"])
             return int(verify(path)["files"])
         except fp_checkpoint_dir.DirectoryChangedError as e:
             warnings.warn(f"{path} changed since FastPersist committed it: {e.detail}; resuming from the files "
                           "that are there, as the stock Trainer would", FastPersistWarning, stacklevel=2)
-            return int(fp_checkpoint_dir.verify_dir(path, verify_dcp, check_listed=False)["files"])
+            return int(fp_checkpoint_dir.verify_dir(path, verify_dcp, check_listed=False,
+                                                    skip=read_elsewhere)["files"])
     except NotAFastPersistCheckpoint:
         return 0
     except CorruptCheckpointError as e:
         raise CorruptCheckpointError(e.path, e.record, f"{e.detail}; refusing to resume from {path}",
                                      tensor=e.tensor) from e
+
+
+def _verify_file(path: str, checkpoint: str) -> None:
+    """One file of ``checkpoint`` checked as :func:`verify_checkpoint_dir` checks it."""
+    from fp_core import CorruptCheckpointError, NotAFastPersistCheckpoint, verify
+
+    try:
+        verify(path)
+    except NotAFastPersistCheckpoint:
+        pass
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(e.path, e.record, f"{e.detail}; refusing to resume from {checkpoint}",
+                                     tensor=e.tensor) from e
+
+
+# what the stock resume reads with torch.load or safetensors' load_file (FSDP's full-state
+# files are read with fp_core.load_into, which finds their images itself)
+_READ_BY_STOCK = re.compile(r"((pytorch_)?model(-\d+-of-\d+)?\.(safetensors|bin)|optimizer\.pt|scheduler\.pt|scaler\.pt)")
+
+
+def _images_in(checkpoint: str) -> set[str]:
+    """The files of ``checkpoint`` the stock resume reads that have a live shared-memory image."""
+    from fp_core import api as fp_api
+
+    return {n for n in os.listdir(checkpoint) if _READ_BY_STOCK.fullmatch(n)
+            and os.path.isfile(os.path.join(checkpoint, n)) and fp_api._memory_image(os.path.join(checkpoint, n))}
 
 
 def _rotate_local(run_dir: str, save_total_limit: int | None, best: str | None) -> None:

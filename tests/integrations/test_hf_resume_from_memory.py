@@ -121,12 +121,16 @@ def test_resume_reads_every_file_the_writer_wrote_from_its_image(runs):
     sizes = {n: os.path.getsize(os.path.join(killed, "checkpoint-4", n)) for n in WRITTEN_BY_THE_WRITER}
     assert report["memory"]["files"] == sizes  # weights, optimizer and scheduler: from memory
     assert report["hits"] == len(WRITTEN_BY_THE_WRITER)
+    # checked as they were read from memory, not read from disk for the check before
+    assert report["memory"]["left_to_images"] == sorted(WRITTEN_BY_THE_WRITER)
+    assert report["memory"]["unverified"] == []
     assert report["warnings"] == []
 
 
 def test_sharded_weights_are_read_from_their_images(runs):
     report = _resumed_as_stock(runs["sharded"][0], "fp")
     assert set(report["memory"]["files"]) == SHARDS | {"optimizer.pt", "scheduler.pt"}
+    assert set(report["memory"]["left_to_images"]) == set(report["memory"]["files"])
     assert report["hits"] == 5 and report["warnings"] == []
 
 
@@ -141,6 +145,9 @@ def test_a_damaged_image_is_refused_and_the_disk_read(runs):
     report = _resumed_as_stock(runs["on"][0], "damage")
     assert set(report["damaged"]) == WRITTEN_BY_THE_WRITER  # a byte of each image flipped
     assert report["hits"] == 0 and report["memory"]["files"] == {}
+    # found before the resume, so not checked on disk then: each checked before its disk read
+    assert report["memory"]["left_to_images"] == sorted(WRITTEN_BY_THE_WRITER)
+    assert report["memory"]["unverified"] == []
     assert len(report["warnings"]) == len(WRITTEN_BY_THE_WRITER)
     for name in WRITTEN_BY_THE_WRITER:  # each one named, with its checksum failure
         [w] = [w for w in report["warnings"] if f"checkpoint-4/{name} failed" in w]
@@ -151,6 +158,7 @@ def test_without_an_image_the_disk_is_read(runs):
     report = _resumed_as_stock(runs["on"][0], "remove")
     assert len(report["removed"]) == len(WRITTEN_BY_THE_WRITER)
     assert report["hits"] == 0 and report["memory"]["files"] == {} and report["warnings"] == []
+    assert report["memory"]["left_to_images"] == []  # the whole directory checked on disk first
 
 
 def test_without_resume_from_memory_no_image_is_left(runs):
