@@ -147,6 +147,7 @@ class Handle:
         self._staged = threading.Event()  # no live memory is read any more
         self._cut: tuple | None = None  # (FenceCut, job, live memory) of an overlap save
         self._job: Any = None  # the save job while it is pending
+        self._in_writer: tuple | None = None  # (writer process, job number) of a save it writes
         self._result: Any = None
         self._error: BaseException | None = None
         self._reported = False
@@ -693,6 +694,8 @@ class AsyncCheckpointer:
             prepared.handoff()
         handle = SaveHandle(prepared.final)
         handle._job = prepared  # a forked child lets go of its descriptors (_forget_after_fork)
+        if isinstance(prepared, ProcessSave) and not prepared.collective:
+            handle._in_writer = (prepared.writer, prepared.seq)  # kept after the job: hand_over_dir_commit
         # What the writer will read from live memory: it must not be freed meanwhile.
         live = _LiveMemory([s for s in big if s.host is None], handle._staged)
         if not live.extents:
@@ -751,6 +754,30 @@ class AsyncCheckpointer:
 
             return self.enqueue(declined, after=[])
         return self.enqueue(decline, self.group, self.timeout_s, after=[])
+
+    def hand_over_dir_commit(self, staging: str, final: str, sync_files: list[str],
+                             handles: list[Handle]) -> Callable[[], None] | None:
+        """With ``writer="process"``: hand the writer the commit of a checkpoint directory
+        (``staging`` renamed to ``final`` once its files are durable), to run after the
+        saves of ``handles`` (its files, every one a save of this writer process), even if
+        this process dies first; ``sync_files`` are the other files written there (synced by
+        the writer). Returns a function that waits for the writer's outcome and raises its
+        failure: call it from a job of this checkpointer's worker (:meth:`enqueue`). None
+        where the writer process does not hold every file: the caller commits the directory."""
+        wp = self._writer_proc
+        jobs = [getattr(h, "_in_writer", None) for h in handles]
+        if wp is None or not wp.alive or not jobs or not all(j is not None and j[0] is wp for j in jobs):
+            return None
+        seq = wp.publish_dir(staging, final, sync_files, [j[1] for j in jobs])
+
+        def wait() -> None:
+            msg = wp.result(seq)
+            if msg[0] == "failed":
+                from .process_writer import _wire_error
+
+                raise _wire_error(msg)
+
+        return wait
 
     def enqueue(self, fn: Callable[..., Any], *args: Any, after: Iterable[Handle] | None = None,
                 save: bool = False) -> Handle:

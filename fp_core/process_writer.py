@@ -136,6 +136,14 @@ class WriterProcess:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
 
+    def publish_dir(self, staging: str, final: str, sync: list[str], after: list[int]) -> int:
+        """Hand over the commit of the directory ``staging`` as ``final``, to run once the
+        jobs ``after`` (its files) have committed; returns its sequence number."""
+        seq = self.next_seq()
+        self.send(("publish", seq, {"staging": os.path.abspath(staging), "final": os.path.abspath(final),
+                                    "sync": [os.path.abspath(p) for p in sync], "after": list(after)}))
+        return seq
+
     def skip(self, seq: int) -> None:
         """Job ``seq`` will never come (it failed before its hand-over): the writer goes on."""
         with contextlib.suppress(WriterProcessError):

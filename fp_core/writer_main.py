@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 GONE = ("gone",)
-SEQUENCED = ("job", "skip", "join", "collective", "decline")  # run in the order the trainer numbered them
+SEQUENCED = ("job", "skip", "join", "collective", "decline", "publish")  # run in the order the trainer numbered them
 
 
 def _hold(held: dict, arenas: set, msg: tuple) -> None:
@@ -258,6 +258,26 @@ def _decline(group: Any) -> dict:
     return {}
 
 
+def _publish(spec: dict, outcomes: dict[int, bool]) -> dict:
+    """Commit a checkpoint directory whose files were this writer's jobs ``spec["after"]``
+    (the HF Trainer's ``checkpoint-N``): once every one of them committed, the other files
+    the trainer wrote there synced, the directory's manifest written, and the directory
+    renamed into place (:func:`fp_core.commit.publish_dir`). Here, not on the trainer: a
+    trainer killed after its fence still gets its checkpoint."""
+    from fp_core import checkpoint_dir, commit
+    from fp_core.errors import CheckpointError
+
+    staging, final = spec["staging"], spec["final"]
+    missing = [s for s in spec["after"] if not outcomes.get(s)]
+    if missing:
+        raise CheckpointError(f"{final}: not committed: {len(missing)} of its files were not written")
+    for p in spec["sync"]:
+        commit.fsync_file(p)
+    checkpoint_dir.write_dir_manifest(staging)
+    commit.publish_dir(staging, final)
+    return {}
+
+
 def _failure(e: BaseException) -> dict:
     info: dict[str, Any] = {"type": type(e).__name__, "message": str(e),
                             "traceback": "".join(traceback.format_exception(e))[-4000:]}
@@ -310,6 +330,7 @@ def main(argv: list[str]) -> int:
 
     held: dict[int, Any] = {}
     group: Any = None  # the writers' group for collective saves: ("ok", store) or ("failed", why)
+    outcomes: dict[int, bool] = {}  # job -> committed, for the directory commits that follow them
     arenas: set[str] = set()  # every arena a job named: removed when the trainer is gone
     next_seq = 0
     trainer_here = True
@@ -337,10 +358,15 @@ def main(argv: list[str]) -> int:
                     report = ("done", seq, _run_collective(spec, group))
                 elif kind == "decline":
                     report = ("done", seq, _decline(group))
+                elif kind == "publish":
+                    report = ("done", seq, _publish(spec, outcomes))
                 else:
                     report = ("done", seq, _run(spec, resume, released))
             except BaseException as e:  # noqa: BLE001 - reported to the trainer, never dropped
                 report = ("failed", seq, _failure(e))
+            outcomes[seq] = report[0] == "done"
+            if len(outcomes) > 4096:  # a publish job names the jobs just before it
+                del outcomes[min(outcomes)]
             if spec and spec.get("image"):
                 memory_image.unmark_job(spec["image"])  # a restart's load no longer waits for it
             if trainer_here:

@@ -1057,10 +1057,18 @@ class FastPersistCallback(TrainerCallback):
         should_save = args.should_save
         save_total_limit = args.save_total_limit
         distributed = self._group_ready
+        in_writer = None
+        if error is None and should_save and not distributed:
+            # writer="process": the writer commits the directory after its files, so a trainer
+            # killed from here on still gets its checkpoint (None: this process commits it)
+            try:
+                in_writer = self.checkpointer.hand_over_dir_commit(staging, final, sync_files, handles)
+            except Exception as e:  # noqa: BLE001 - the writer is gone: the save fails, reported below
+                error = e
 
         def commit() -> bool:
             return self._commit(rec, list(handles), sync_files, run_dir, should_save, save_total_limit,
-                                best, distributed, failed=error is not None)
+                                best, distributed, failed=error is not None, in_writer=in_writer)
         commit.__name__ = f"commit {checkpoint_folder}"
         # Enqueued even after a failure: it cleans the staging directory once the writes
         # already started have finished, and keeps the ranks' agreement steps paired.
@@ -1121,8 +1129,9 @@ class FastPersistCallback(TrainerCallback):
 
     def _commit(self, rec: CheckpointRecord, handles: list, sync_files: list[str], run_dir: str,
                 should_save: bool, save_total_limit: int | None, best: str | None, distributed: bool,
-                failed: bool) -> bool:
-        """Background worker: agree across ranks, rename staging -> checkpoint-N, rotate."""
+                failed: bool, in_writer: Callable[[], None] | None = None) -> bool:
+        """Background worker: agree across ranks, rename staging -> checkpoint-N, rotate.
+        ``in_writer``: the writer process commits the directory; this waits for it."""
         ok = not failed
         nbytes = 0
         for h in handles:  # FIFO worker: all of them have finished by now
@@ -1133,6 +1142,20 @@ class FastPersistCallback(TrainerCallback):
             else:
                 nbytes += getattr(h.result(), "bytes", 0) or 0
         err: BaseException | None = None
+        if in_writer is not None:
+            try:
+                in_writer()  # after its files; it fails where one of them failed
+            except BaseException as e:  # noqa: BLE001
+                if ok:
+                    err = e
+                ok = False
+            if not ok:
+                shutil.rmtree(rec.staging, ignore_errors=True)
+            rec.bytes, rec.ok = nbytes, ok
+            rec.commit_seconds = time.perf_counter() - rec.started
+            if err is not None:
+                raise err
+            return ok
         if ok:
             try:
                 for p in sync_files:

@@ -3,9 +3,9 @@ run killed after a checkpoint, and resumes of that checkpoint
 (tests/integrations/test_hf_resume_from_memory.py).
 
 ``python hf_resume_from_memory.py kill DIR on|off [sharded]``: trains a tiny BERT with
-``save_steps=4``; at the start of step 5 it waits for checkpoint-4 to be committed (the
-callback commits the directory from the trainer, after the writer process has committed
-its files), writes the writer process's pid to ``DIR/writer.pid`` and SIGKILLs itself.
+``save_steps=4``; at the start of step 5, once checkpoint-4's fence has passed (its files
+and the directory's commit are in the writer process's hands, nothing is committed yet), it
+writes the writer process's pid to ``DIR/writer.pid`` and SIGKILLs itself.
 ``on``/``off``: ``resume_from_memory``; ``sharded``: the weights in several safetensors
 shards and their index, as ``save_pretrained(max_shard_size=...)`` writes them.
 
@@ -62,7 +62,7 @@ class Killer(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kw):
         if state.global_step == 4:
-            self.cb.wait()  # checkpoint-4 committed: its directory renamed into place
+            self.cb.fence()  # checkpoint-4's snapshot taken: its writer commits it, directory and all
             with open(os.path.join(self.directory, "writer.pid"), "w") as f:
                 f.write(str(self.cb.checkpointer._writer_proc.pid))
             os.kill(os.getpid(), signal.SIGKILL)

@@ -50,7 +50,8 @@ def _finish(run: tuple[subprocess.Popen, Any], expect: int) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Three runs killed after checkpoint-4, at once: ``on`` (resume_from_memory, one
+    """Three runs killed right after checkpoint-4's fence (its orphaned writer commits the
+    files and then the directory), at once: ``on`` (resume_from_memory, one
     safetensors file), ``sharded`` (the same, the weights in three shards) and ``off``
     (without resume_from_memory, shared memory of its own). Each orphaned writer is gone
     before the checkpoints are resumed; then one process resumes ``on``'s checkpoint as
