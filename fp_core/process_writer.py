@@ -450,7 +450,11 @@ class ProcessSave:
             raise _wire_error(msg)
         self.writer.commits += 1
         self.writer.dirs.add(os.path.dirname(self.final))
-        if self.writer.commits <= 2:
+        if self.writer.commits > 2:
+            # images of gone runs whose file has changed or gone since (a checkpoint rotated
+            # away): nobody can load them any more
+            memory_image.clean_stale(self.writer.dir)
+        else:
             # Images a killed run left for its restart, now older than what this run commits:
             # at the first commit those of this file, at the second those of its directory
             # (by then every rank of the restart has resumed: a rank slower to start than

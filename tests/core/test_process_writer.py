@@ -562,3 +562,27 @@ def test_a_clean_end_of_the_restart_drops_the_image_it_resumed_from(disk_dir, sh
         ck.save(got, os.path.join(disk_dir, "new.pt")).result()  # elsewhere: the old image stays meanwhile
         assert memory_image.find(os.path.join(disk_dir, "old", "a.pt")) is not None
     assert _images(shm_root) == []  # the clean close dropped the image it resumed from
+
+
+def test_the_image_of_a_checkpoint_rotated_away_is_dropped_by_a_later_commit(disk_dir, shm_root):
+    """A restart keeps the image it resumed from while that file is there (a second crash
+    resumes from it again); once the file is gone (rotated away), a commit drops it."""
+    code = ("import os, signal, sys, torch\n"
+            f"sys.path.insert(0, {os.path.dirname(HELPERS)!r})\n"
+            "import fp_core\n"
+            "ck = fp_core.AsyncCheckpointer(writer='process', resume_from_memory=True)\n"
+            f"ck.save({{'w': torch.ones(1 << 20)}}, {os.path.join(disk_dir, 'old', 'a.pt')!r}).result()\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    os.mkdir(os.path.join(disk_dir, "old"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    old = os.path.join(disk_dir, "old", "a.pt")
+    with AsyncCheckpointer(writer="process", resume_from_memory=True) as ck:
+        got = fp_core.load(old)
+        for i in range(3):
+            ck.save(got, os.path.join(disk_dir, f"new{i}.pt")).result()
+        assert memory_image.find(old) is not None  # still the file it holds
+        os.unlink(old)  # rotated away
+        ck.save(got, os.path.join(disk_dir, "new3.pt")).result()
+        images = {i["checkpoint"] for i in memory_image.kept_images(memory_image.directory())}
+        assert old not in images and os.path.join(disk_dir, "new3.pt") in images
