@@ -262,6 +262,11 @@ ENTRIES: tuple[Entry, ...] = (
           ("python benchmarks/process_writer_kills.py --trials 100 --snapshot-trials 20 --dir {scratch} "
            "--out {out:process-writer-kills.json}",),
           None, RELIABILITY),
+    Entry("process-writer-collective-kills", "One of two ranks killed after a collective or sharded save's fence: "
+          "do the writer processes still commit it (thread as control)",
+          ("python benchmarks/process_writer_collective_kills.py --trials 20 --dir {scratch} "
+           "--out {out:process-writer-collective-kills.json}",),
+          None, RELIABILITY),
 )
 
 
