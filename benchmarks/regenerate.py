@@ -262,6 +262,10 @@ ENTRIES: tuple[Entry, ...] = (
           ("python benchmarks/process_writer_kills.py --trials 100 --snapshot-trials 20 --dir {scratch} "
            "--out {out:process-writer-kills.json}",),
           None, RELIABILITY),
+    Entry("writer-process-cost", "What one writer process per trainer costs: its start and its memory, "
+          "for 1, 2 and 4 trainers on one machine",
+          ("python benchmarks/writer_process_cost.py --trainers 1,2,4 --out {out:writer-process-cost.txt}",),
+          None, _sec("The writer process")),
     Entry("process-writer-collective-kills", "One of two ranks killed after a collective or sharded save's fence: "
           "do the writer processes still commit it (thread as control)",
           ("python benchmarks/process_writer_collective_kills.py --trials 20 --dir {scratch} "
