@@ -112,5 +112,5 @@ def test_the_checker_sees_what_it_checks():
     g = _graph()
     assert "fp_core.local" in g["fp_core.api"] and "fp_core.remote" in g["fp_core.api"]  # a lazy import counts
     assert "fp_core._native" in g["fp_core.writer"]
-    assert "lightning" in {i.split(".")[0] for i in g["fp_integrations.lightning"]}
+    assert "lightning" in {i.split(".")[0] for i in g["fp_integrations.lightning_io"]}
     assert _cycles({"a": {"b"}, "b": {"a"}}, {"a", "b"}) == [["a", "b", "a"]]

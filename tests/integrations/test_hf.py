@@ -653,12 +653,12 @@ def test_each_failure_is_reported_even_when_an_id_is_reused(tmp_path):
 
 
 def test_failed_fsync_of_a_staged_checkpoint_leaves_no_staging(tmp_path, monkeypatch):
-    import fp_integrations.hf as hf
+    import fp_integrations.hf_callback as hf_callback
 
     def no_fsync(path):
         raise OSError(5, "Input/output error", path)
 
-    monkeypatch.setattr(hf, "fsync_file", no_fsync)  # the inline files (json, rng) fail to sync
+    monkeypatch.setattr(hf_callback, "fsync_file", no_fsync)  # the inline files (json, rng) fail to sync
     t, cb = make_trainer(tmp_path / "o", fp=True, max_steps=2)
     with pytest.raises(Exception, match="Input/output error"):
         t.train()

@@ -72,7 +72,7 @@ def test_resume_refuses_a_damaged_shard(tmp_path):
 def test_what_fsdp_setups_keep_the_stock_save(version, sd_type, peft, reason):
     from types import SimpleNamespace
 
-    from fp_integrations.hf import _fsdp_fallback_reason
+    from fp_integrations.hf_fsdp import _fsdp_fallback_reason
 
     model = SimpleNamespace(peft_config={}) if peft else SimpleNamespace()
     plugin = SimpleNamespace(fsdp_version=version, state_dict_type=sd_type)
@@ -92,7 +92,7 @@ def test_a_trainer_overriding_save_model_keeps_the_stock_full_state_dict_save(sd
 
     from transformers import Trainer
 
-    from fp_integrations.hf import _fsdp_fallback_reason
+    from fp_integrations.hf_fsdp import _fsdp_fallback_reason
 
     cls = type("MyTrainer", (Trainer,), {"save_model": lambda self, *a, **k: None} if overrides else {})
     trainer = cls.__new__(cls)  # no __init__: only its class and plugin are looked at

@@ -173,7 +173,7 @@ def test_the_reads_are_redirected_only_within_the_resume(tmp_path, shm_root):
     import safetensors.torch as st_torch
     import transformers.trainer_utils as tu
 
-    from fp_integrations.hf import _reads_from_memory
+    from fp_integrations.hf_resume import _reads_from_memory
 
     stock = (torch.load, st_torch.load_file, tu.safe_load_file)
     other = tmp_path / "elsewhere.pt"
