@@ -305,4 +305,14 @@ def inspect(path: str | os.PathLike) -> list[dict]:
     return integrity.inspect(p)
 
 
-__all__ = ["prepare", "save", "load", "load_into", "verify", "inspect"]
+def wait_for_writers(path: str | os.PathLike, timeout: float = 120.0) -> None:
+    """Wait until no writer process whose trainer is gone (``writer="process"``, the trainer
+    killed after a fence) still commits a checkpoint at or under the directory ``path``, at
+    most ``timeout`` s. Call it before a restart lists the checkpoints there (the newest
+    may be one such writer is committing). Returns at once where there is none."""
+    from . import memory_image
+
+    memory_image.wait_for_writers_under(path, timeout)
+
+
+__all__ = ["prepare", "save", "load", "load_into", "verify", "inspect", "wait_for_writers"]

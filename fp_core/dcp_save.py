@@ -92,10 +92,15 @@ class _WireLeaf:
         self.dt: tuple | None = None
         if leaf.dtensor is not None:
             spec = leaf.dtensor._spec
-            self.dt = (spec.mesh.mesh.tolist(), spec.mesh.mesh_dim_names, tuple(spec.placements), spec.tensor_meta,
+            mesh = spec.mesh
+            root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+            # the root mesh (the same on every rank) and the names of this mesh's dimensions in
+            # it: every writer makes the same groups, in the same order (new_group pairs them)
+            sub = None if root is mesh else mesh.mesh_dim_names
+            self.dt = ((root.mesh.tolist(), root.mesh_dim_names, sub), tuple(spec.placements), spec.tensor_meta,
                        getattr(spec, "shard_order", None))
 
-    def tensor(self, arena: torch.Tensor, meshes: dict) -> Any:
+    def tensor(self, arena: torch.Tensor) -> Any:
         if self.nbytes:
             t = arena[self.offset: self.offset + self.nbytes].view(self.dtype).view(self.shape)
         else:
@@ -106,12 +111,23 @@ class _WireLeaf:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-        ranks, names, placements, meta, order = self.dt
+        (ranks, names, sub), placements, meta, order = self.dt
         key = (repr(ranks), names)
-        if key not in meshes:  # the same mesh, over the writers' group (their ranks are the trainers')
-            meshes[key] = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names)
+        if key not in _WRITER_MESHES:  # once per writer: its groups live as long as the writers' group
+            _WRITER_MESHES[key] = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=names)
+        mesh = _WRITER_MESHES[key]
+        if sub is not None:
+            if not names:
+                raise CheckpointError("a DTensor on part of a device mesh whose dimensions have no names cannot be "
+                                      "saved by the writer process: name the mesh's dimensions, or use writer='thread'")
+            mesh = mesh[sub]
         kw = {"shard_order": order} if order is not None else {}
-        return DTensor(t, DTensorSpec(meshes[key], placements, tensor_meta=meta, **kw), requires_grad=False)
+        return DTensor(t, DTensorSpec(mesh, placements, tensor_meta=meta, **kw), requires_grad=False)
+
+
+# In a writer process: the root meshes of the DTensors it has saved, over the writers' group
+# (their ranks are the trainers'), made once each.
+_WRITER_MESHES: dict[tuple, Any] = {}
 
 
 def _rebuild(obj: Any) -> Any:
@@ -174,10 +190,8 @@ class DcpSave:
         self.options, self.extra_files, self.cg = options, wire["extra_files"], cg
         self.stats = SaveStats(path=self.final)
         self.error, self.plan = None, None
-        meshes: dict = {}
-
         def build(o: Any) -> Any:
-            return o.tensor(arena, meshes) if isinstance(o, _WireLeaf) else map_containers(o, build)
+            return o.tensor(arena) if isinstance(o, _WireLeaf) else map_containers(o, build)
 
         try:
             self.state = build(wire["state"])

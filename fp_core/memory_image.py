@@ -270,6 +270,17 @@ def _read_index(path: str) -> dict | None:
     return info if ok else None
 
 
+def wait_for_writers_under(path: str | os.PathLike, timeout: float = 120.0) -> None:
+    """Wait for the writer processes whose trainer is gone and that still commit a
+    checkpoint at or under the directory ``path`` (a restart about to list its checkpoints)."""
+    try:
+        d = directory(create=False)
+    except PermissionError:
+        return
+    if d is not None:
+        wait_for_orphans(d, timeout=timeout, under=os.path.realpath(os.fspath(path)))
+
+
 def find(path: str | os.PathLike) -> str | None:
     """The image in shared memory of the checkpoint file at ``path``, while it holds that
     file (same device, inode, size, modification and change times), else None."""
@@ -381,19 +392,20 @@ def job_mark(image: str) -> str:
     return image[: -len(IMAGE_SUFFIX)] + JOB_SUFFIX
 
 
-def mark_job(image: str, target: str) -> None:
-    """Say, before the hand-over, which checkpoint the arena's job commits: a restart's load
-    of that file waits for it if the trainer dies (the writer removes the mark when done)."""
-    fd = _open_private(job_mark(image), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+def mark_job(image: str, target: str, mark: str | None = None) -> None:
+    """Say, before the hand-over, which checkpoint the arena's job commits (``mark``: the
+    mark of a job without an arena, a directory commit): a restart's load of that
+    checkpoint waits for it if the trainer dies (the writer removes the mark when done)."""
+    fd = _open_private(mark or job_mark(image), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
         os.write(fd, os.path.realpath(target).encode())
     finally:
         os.close(fd)
 
 
-def unmark_job(image: str) -> None:
+def unmark_job(image: str | None = None, mark: str | None = None) -> None:
     with contextlib.suppress(OSError):
-        os.unlink(job_mark(image))
+        os.unlink(mark or job_mark(image or ""))
 
 
 def _held(d: str, owner: str) -> bool:
@@ -434,9 +446,10 @@ def _job_target(path: str) -> str | None:
         os.close(fd)
 
 
-def wait_for_orphans(d: str, target: str | None = None, timeout: float = 120.0) -> None:
+def wait_for_orphans(d: str, target: str | None = None, timeout: float = 120.0, under: str | None = None) -> None:
     """Wait until no writer whose trainer is gone still has a job for ``target`` (for any
-    file when None), at most ``timeout`` s: a restart looks for the newest checkpoint. An
+    file when None; for any checkpoint at or under the directory ``under``), at most
+    ``timeout`` s: a restart looks for the newest checkpoint. An
     orphan is a writer whose owner lock is held while its trainer's ``.live`` lock is not
     (free the moment the trainer dies); its jobs are the ``.job`` marks the trainer wrote
     before each hand-over. No guess from pids, which another PID namespace sharing
@@ -455,7 +468,13 @@ def wait_for_orphans(d: str, target: str | None = None, timeout: float = 120.0) 
             if owner in busy or not _held(d, owner) or _locked(os.path.join(d, owner + TRAINER_SUFFIX)):
                 continue
             job = _job_target(os.path.join(d, n))
-            if job is not None and (target is None or job == target):
+            if job is None:
+                continue
+            if under is not None:
+                hit = job == under or job.startswith(under.rstrip(os.sep) + os.sep)
+            else:
+                hit = target is None or job == target
+            if hit:
                 busy.add(owner)
         if not busy or time.monotonic() > deadline:
             if busy:

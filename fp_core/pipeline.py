@@ -566,18 +566,7 @@ class AsyncCheckpointer:
         sharded state as one ``file``, or a ``dcp`` directory); every rank takes the same
         route, decided together at the first such save (:func:`join_writers`). None: the
         thread writer takes it."""
-        if self._writers_joined is None:
-            import torch.distributed as dist
-
-            ranks = (sorted(dist.get_process_group_ranks(self.group)) if self.group is not None
-                     else list(range(dist.get_world_size())))
-            try:
-                if self._writer_proc is None or not self._writer_proc.alive:
-                    self._start_writer()
-            except _NoSharedMemory as e:
-                log.warning("fastpersist: no writer process on this rank (%s)", e)
-            seq = join_writers(self._writer_proc, ranks, self.timeout_s)
-            self._writers_joined = self._writer_proc if seq is not None else False
+        self._join_writers()
         if self._writers_joined is False:
             return None
         if self._writer_proc is not self._writers_joined or not self._writer_proc.alive:
@@ -617,6 +606,27 @@ class AsyncCheckpointer:
                                  f"{memory_image.free_bytes(self._writer_proc.dir) >> 20} MiB free for a "
                                  f"{size >> 20} MiB snapshot of a collective save", job.final))
         return job
+
+    def _join_writers(self) -> None:
+        """At the first save of every rank (collective or sharded), or a decline: the writers'
+        group (:func:`join_writers`), or the thread writer for all such saves. A group that
+        is not the whole world is decided here, alike on its ranks, without asking anyone
+        (the ranks outside it never come to agree)."""
+        if self._writers_joined is not None:
+            return
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        if self.group is not None and sorted(dist.get_process_group_ranks(self.group)) != list(range(world)):
+            self._writers_joined = False
+            return
+        try:
+            if self._writer_proc is None or not self._writer_proc.alive:
+                self._start_writer()
+        except _NoSharedMemory as e:
+            log.warning("fastpersist: no writer process on this rank (%s)", e)
+        seq = join_writers(self._writer_proc, self.timeout_s)
+        self._writers_joined = self._writer_proc if seq is not None else False
 
     def _start_writer(self) -> None:
         if self._writer_proc is not None:
@@ -734,6 +744,9 @@ class AsyncCheckpointer:
             raise RuntimeError("decline() needs an AsyncCheckpointer with a group")
         from .distributed import decline
 
+        if self.writer == "process":
+            # the peers' collective save may be their first: they meet this rank in the join
+            self._join_writers()
         if self._writers_joined:
             # the peers wait in their writers' group: writer 0 answers there, in its job order
             writer = self._writer_proc
@@ -1139,8 +1152,9 @@ class AsyncCheckpointer:
     def _run_save(self, prepared: SaveJob, policy: str, big: list[StorageExtent], handle: SaveHandle,
                   on_commit: Callable[[str, SaveStats], None] | None, arena: Arena | None,
                   live: _LiveMemory) -> SaveStats:
+        failed = getattr(prepared, "_local_error", None)  # a writer-process job that only carries its failure
         try:
-            if policy == "snapshot" and big:
+            if policy == "snapshot" and big and not (failed is not None and failed() is not None):
                 t0 = time.perf_counter()
                 try:
                     # inside the try: a job that fails here must still run (and tell the

@@ -140,8 +140,17 @@ class WriterProcess:
         """Hand over the commit of the directory ``staging`` as ``final``, to run once the
         jobs ``after`` (its files) have committed; returns its sequence number."""
         seq = self.next_seq()
-        self.send(("publish", seq, {"staging": os.path.abspath(staging), "final": os.path.abspath(final),
-                                    "sync": [os.path.abspath(p) for p in sync], "after": list(after)}))
+        # marked like a file's job: a restart listing the checkpoints waits for it, and does
+        # not take its staging directory for a crashed run's
+        mark = os.path.join(self.dir, f"{self.lock.key}-publish-{seq}{memory_image.JOB_SUFFIX}")
+        memory_image.mark_job("", final, mark=mark)
+        try:
+            self.send(("publish", seq, {"staging": os.path.abspath(staging), "final": os.path.abspath(final),
+                                        "sync": [os.path.abspath(p) for p in sync], "after": list(after),
+                                        "mark": mark}))
+        except BaseException:
+            memory_image.unmark_job(mark=mark)
+            raise
         return seq
 
     def skip(self, seq: int) -> None:
@@ -651,17 +660,31 @@ class ProcessDcpSave(ProcessCollectiveSave):
 _joins = itertools.count()  # writers' groups joined by this process: the same order on every rank
 
 
-def join_writers(writer: WriterProcess | None, ranks: list[int], timeout_s: float) -> int | None:
+def _store_address(store: Any) -> tuple | None:
+    """Where another process reaches the trainers' store: ``("tcp", host, port)`` of the
+    TCPStore under any prefixes, else None."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return ("tcp", store.host, store.port)
+    return None
+
+
+def join_writers(writer: WriterProcess | None, timeout_s: float) -> int | None:
     """Make the writer processes of every rank a gloo group of their own, for collective
-    saves (called by every rank, on the caller's thread, at the same save).
+    saves (called by every rank of the world, on the caller's thread, at the same save).
 
     The ranks first agree, through the trainers' default store (no collective on a group
     the background thread may be using), that every one of them has a writer process
-    (``writer`` is None where this rank could not start one) and that the save's group is
-    the whole world. If so, rank 0 picks the port its writer will host the writers' store
-    on, and every rank hands its writer a ``join``, in its job order. Returns the join's
-    sequence number, or None: collective saves stay on the thread writer, on every rank."""
+    (``writer`` is None where this rank could not start one) and a store the writers can
+    reach. If so, every rank hands its writer a ``join``, in its job order: the writers meet
+    at the trainers' store itself (its host and port, as this rank reached it: across
+    nodes too), under a prefix of their own. Returns the join's sequence number, or None:
+    collective saves stay on the thread writer, on every rank."""
     import datetime
+    import secrets
 
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
@@ -669,22 +692,19 @@ def join_writers(writer: WriterProcess | None, ranks: list[int], timeout_s: floa
     store = _get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
     key = f"fastpersist/writers/{next(_joins)}"
-    can = writer is not None and writer.alive and ranks == list(range(world))
-    if rank == 0 and can:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        host = os.environ.get("MASTER_ADDR") or "127.0.0.1"
-        store.set(f"{key}/addr", f"{host}:{port}")
+    where = _store_address(store)
+    can = writer is not None and writer.alive and where is not None
+    if rank == 0:
+        store.set(f"{key}/nonce", secrets.token_hex(8))  # unique under any prefix: a restart's store keeps keys
     store.set(f"{key}/ok/{rank}", "1" if can else "0")
-    store.wait([f"{key}/ok/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+    store.wait([f"{key}/ok/{r}" for r in range(world)] + [f"{key}/nonce"], datetime.timedelta(seconds=timeout_s))
     if not all(store.get(f"{key}/ok/{r}") == b"1" for r in range(world)):
         return None
     assert writer is not None
-    addr = store.get(f"{key}/addr").decode()
+    nonce = store.get(f"{key}/nonce").decode()
     seq = writer.next_seq()
-    writer.send(("join", seq, {"addr": addr, "rank": rank, "world": world, "timeout": timeout_s,
-                               "prefix": key}))
+    writer.send(("join", seq, {"store": where, "rank": rank, "world": world, "timeout": timeout_s,
+                               "prefix": f"fastpersist-writers/{nonce}"}))
     return seq
 
 

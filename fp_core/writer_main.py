@@ -163,8 +163,8 @@ def _run(spec: dict, resume: bool, released: Any) -> dict:
 
 
 def _join(spec: dict) -> tuple:
-    """Form the writers' gloo group (one writer per rank; writer 0 hosts its store, which
-    must outlive trainer 0). A writer stays in one group for its life."""
+    """Form the writers' gloo group (one writer per rank) at the trainers' store; once
+    formed it needs no store. A writer stays in one group for its life."""
     import datetime
 
     import torch.distributed as dist
@@ -172,10 +172,10 @@ def _join(spec: dict) -> tuple:
     try:
         if dist.is_initialized():
             raise RuntimeError("this writer is already in a writers' group")
-        host, port = spec["addr"].rsplit(":", 1)
+        kind, host, port = spec["store"]
         timeout = datetime.timedelta(seconds=spec["timeout"])
-        store = dist.TCPStore(host, int(port), spec["world"], is_master=spec["rank"] == 0, timeout=timeout,
-                              wait_for_workers=False)
+        # the trainers' own store, as a client: it lives while every trainer joins
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
         dist.init_process_group("gloo", store=dist.PrefixStore(spec["prefix"], store), rank=spec["rank"],
                                 world_size=spec["world"], timeout=timeout)
         return ("ok", store)
@@ -313,10 +313,10 @@ def main(argv: list[str]) -> int:
     conn = Connection(sock_fd)
     inbox: queue.SimpleQueue = queue.SimpleQueue()  # its put() may run in a signal handler
 
-    def on_term(signum: int, frame: Any) -> None:  # finish what is held, then exit
-        inbox.put(("close",))
-
-    signal.signal(signal.SIGTERM, on_term)
+    # SIGTERM reaches every process of a job at once (a scheduler's cancel, preemption), while
+    # the trainer may still be handing over its last save: the writer goes when its trainer
+    # does (end of file, pidfd) or says so (close), having written everything handed over.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     fault = os.environ.get("FASTPERSIST_WRITER_TEST_FAULT")  # "kind:errno": the tests' native fault
     if fault:
         from fp_core import _native
@@ -367,8 +367,9 @@ def main(argv: list[str]) -> int:
             outcomes[seq] = report[0] == "done"
             if len(outcomes) > 4096:  # a publish job names the jobs just before it
                 del outcomes[min(outcomes)]
-            if spec and spec.get("image"):
-                memory_image.unmark_job(spec["image"])  # a restart's load no longer waits for it
+            if spec and (spec.get("image") or spec.get("mark")):
+                # a restart's load no longer waits for it
+                memory_image.unmark_job(spec.get("image"), mark=spec.get("mark"))
             if trainer_here:
                 try:
                     conn.send(report)

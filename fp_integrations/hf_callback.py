@@ -22,6 +22,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
+from fp_core import api as fp_api
 from fp_core import checkpoint_dir as fp_checkpoint_dir
 from fp_core import commit as fp_commit
 from fp_core import distributed as fp_dist
@@ -327,6 +328,9 @@ class FastPersistCallback(_ResumeHooks, _RemoteCopies, TrainerCallback):
     def on_init_end(self, args, state, control, **kwargs):
         if self.trainer is None:
             self._ensure_trainer()
+        # train(resume_from_checkpoint=True) lists the checkpoints before any other event: a
+        # killed run's writer process may still be committing the newest one
+        fp_api.wait_for_writers(args.output_dir)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not self._ensure_trainer():
@@ -336,6 +340,7 @@ class FastPersistCallback(_ResumeHooks, _RemoteCopies, TrainerCallback):
         self._setup_group()
         # Remove staging directories left by a crashed run (nothing of ours is pending).
         if args.should_save and not self._pending and os.path.isdir(args.output_dir):
+            fp_api.wait_for_writers(args.output_dir)  # a staging directory a killed run's writer still commits
             fp_commit.recover_dirs(args.output_dir, (STAGING_PREFIX,))
         self._barrier()
 

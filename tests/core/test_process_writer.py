@@ -224,6 +224,43 @@ def test_a_restart_loading_at_once_waits_for_the_orphaned_writers_commit(disk_di
     assert _images(shm_root) == []  # without resume_from_memory the orphan leaves nothing
 
 
+def test_a_restart_listing_checkpoints_at_once_waits_for_the_directory_an_orphan_commits(disk_dir, shm_root):
+    """The HF callback's checkpoint-N is committed by the writer process after its files. A
+    restart that lists the checkpoints at once (get_last_checkpoint), then removes staging
+    directories of crashed runs, first waits for that writer (wait_for_writers): it finds
+    checkpoint-2, and no staging directory is taken from under the writer."""
+    from fp_core import commit
+
+    r = subprocess.run([sys.executable, os.path.join(HELPERS, "dir_commit_victim.py"), disk_dir, "256"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    fp_core.api.wait_for_writers(disk_dir)
+    assert sorted(n for n in os.listdir(disk_dir) if n.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-2"]
+    commit.recover_dirs(disk_dir, (".fastpersist-staging-",))
+    got = fp_core.load(os.path.join(disk_dir, "checkpoint-2", "optimizer.pt"), weights_only=True)
+    assert got["w"].numel() == 256 << 18 and bool((got["w"] == 2).all())
+    assert json.load(open(os.path.join(disk_dir, "checkpoint-2", "trainer_state.json"))) == {"global_step": 2}
+    fp_core.verify(os.path.join(disk_dir, "checkpoint-2"))
+    assert wait_gone(int(r.stdout.split()[0]), 30)
+    assert _images(shm_root) == []
+
+
+def test_sigterm_to_a_busy_writer_loses_nothing_handed_over_after_it(disk_dir, shm_root):
+    """A scheduler's cancel signals every process of the job at once, while the trainer may
+    still hand over its last save: the writer stays until its trainer closes it."""
+    with AsyncCheckpointer(writer="process", policy="snapshot") as ck:
+        ck.save(_state(), os.path.join(disk_dir, "a.pt")).result()
+        os.kill(ck._writer_proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        for i in range(3):
+            ck.save(_state(i), os.path.join(disk_dir, f"b{i}.pt")).result()
+        pid = ck._writer_proc.pid
+    assert wait_gone(pid, 10)
+    for i in range(3):
+        assert _equal(torch.load(os.path.join(disk_dir, f"b{i}.pt"), weights_only=True), _state(i))
+    assert _images(shm_root) == []
+
+
 def test_a_trainer_killed_in_its_snapshot_keeps_the_previous_checkpoint(disk_dir, shm_root):
     assert _victim(disk_dir, "process", "in-snapshot", 5, mib=128) in (1, 2)
     assert_no_temps(disk_dir)

@@ -103,3 +103,22 @@ def test_one_rank_without_shared_memory_keeps_every_ranks_collective_saves_on_th
         assert r["first"]["writer"] is None and r["first"]["writer_ranks"] == [0, 1], r
         assert r["gen"] == 2 and r["close"] == "", r
     assert_no_temps(str(tmp_path))
+
+
+def test_a_decline_first_meets_the_peers_join_and_a_subgroup_asks_nobody(tmp_path, shm_root):
+    results = rank_results(SCRIPT, tmp_path, "decline-first", timeout=180)
+    _no_crash(results)
+    r0, r1 = results
+    assert r1["declined"] is True and generation(str(tmp_path / "alone.pt")) == 1
+    assert all(r["writer"] == "process" and r["seconds"] < 30 and r["close"] == "" for r in results), results
+    assert r0["sub"]["writer"] == "thread" and r0["sub"]["seconds"] < 10, r0  # not a wait for ranks never coming
+    assert generation(str(tmp_path / "ckpt.pt")) == 3 and generation(str(tmp_path / "sub.pt")) == 4
+
+
+def test_dcp_saves_on_a_submesh_make_the_writers_mesh_once(tmp_path, shm_root):
+    results = rank_results(SCRIPT, tmp_path, "submesh", timeout=180)
+    _no_crash(results)
+    for r in results:
+        assert r["writers"] == ["process"] * 4 and r["close"] == "", r
+        assert r["fds"][1] == r["fds"][3], r  # no groups made per save
+    assert results[0]["equal"] is True

@@ -16,6 +16,8 @@ writers run the collective save among themselves. Each rank writes ``DIR/result{
   writes its rows.
 * ``writer-killed``: rank 1's writer is SIGKILLed between saves: the next collective save
   fails on every rank with an error that says so, and generation 1 stays.
+* ``decline-first``: rank 0 declines before any collective save; then a group of rank 0 alone.
+* ``submesh``: DTensors on ``mesh["dp"]`` of a named 2-D mesh, saved four times as DCP directories.
 * ``no-shared-memory-on-1``: rank 1 may not use shared memory: every rank's collective
   saves stay on the thread writer (one route for all), and they succeed.
 """
@@ -87,6 +89,10 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
     # the benchmark's control runs the same trials with the thread writer (FP_TEST_WRITER=thread)
     ck = fp_core.AsyncCheckpointer(writer=os.environ.get("FP_TEST_WRITER", "process"), group=dist.group.WORLD,
                                    policy="snapshot", timeout_s=60)
+    if scenario == "decline-first":
+        return decline_first(ck, rank, d, out)
+    if scenario == "submesh":
+        return submesh(ck, rank, world, d, out)
     st = state(1)
     stats = ck.save(st, path).result()
     out["first"] = {"writer": stats.extra.get("writer"), "writer_ranks": stats.extra.get("writer_ranks"),
@@ -161,6 +167,57 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         out["gen"] = generation(path)
     out["close"] = error_of(ck.close)
     out["writer_alive_after_close"] = out["writer_pid"] > 0 and os.path.exists(f"/proc/{out['writer_pid']}")
+    return out
+
+
+def decline_first(ck, rank: int, d: str, out: dict) -> dict:
+    """Rank 0's first collective act is a decline (Lightning's first checkpoint to a URL): it
+    meets the peers' first collective save in the writers' join. Then a save over a group
+    that is not the whole world goes to the thread writer at once, asking nobody."""
+    t0 = time.monotonic()
+    if rank == 0:
+        ck.decline()
+        ck.save(state(1), os.path.join(d, "alone.pt"), local=True).result()
+    else:
+        out["declined"] = ck.save(state(1), os.path.join(d, "peer-path.pt")).result().extra.get("declined")
+    ck.save(state(2), os.path.join(d, "ckpt.pt")).result()
+    out["seconds"] = time.monotonic() - t0
+    out["writer"] = ck.save(state(3), os.path.join(d, "ckpt.pt")).result().extra.get("writer")
+    g0 = dist.new_group([0])
+    if rank == 0:
+        sub = fp_core.AsyncCheckpointer(writer="process", group=g0, timeout_s=60)
+        t0 = time.monotonic()
+        stats = sub.save(state(4), os.path.join(d, "sub.pt")).result()
+        out["sub"] = {"seconds": time.monotonic() - t0, "writer": stats.extra.get("writer", "thread")}
+        sub.close()
+    dist.barrier()
+    out["close"] = error_of(ck.close)
+    return out
+
+
+def submesh(ck, rank: int, world: int, d: str, out: dict) -> dict:
+    """DTensors on a part of a named 2-D mesh (HSDP's and FSDP + TP's ``mesh["dp"]``) saved
+    as DCP directories, several times: the writers make the root mesh once, and its groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    fds = []
+    for gen in range(1, 5):
+        full = state(gen)
+        st = {"w": distribute_tensor(full["w"].reshape(-1, 3), mesh["dp"], [Shard(0)]), "gen": gen}
+        stats = ck.save(st, os.path.join(d, "dcp-dir")).result()
+        out.setdefault("writers", []).append(stats.extra.get("writer"))
+        fds.append(len(os.listdir(f"/proc/{ck._writer_proc.pid}/fd")))
+    out["fds"] = fds
+    dist.barrier()
+    if rank == 0:
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        dcp_to_torch_save(os.path.join(d, "dcp-dir"), os.path.join(d, "dcp.pt"))
+        got = torch.load(os.path.join(d, "dcp.pt"), weights_only=True)
+        out["equal"] = got["gen"] == 4 and torch.equal(got["w"], state(4)["w"].reshape(-1, 3))
+    out["close"] = error_of(ck.close)
     return out
 
 
