@@ -326,7 +326,7 @@ def core_trials(mode: str, n: int, root: str, rng: random.Random, T: float) -> d
             res["staging_dirs_left"] = res.get("staging_dirs_left", 0) + left.count(DCP_LEFTOVERS[0])
             if DCP_LEFTOVERS[1] in left:  # killed between the commit's two renames
                 res["aside_restored"] = res.get("aside_restored", 0) + 1
-                fp_core.commit.recover_dir(os.path.join(d, "ckpt"))  # what the next save does first
+                fp_core.saving.commit.recover_dir(os.path.join(d, "ckpt"))  # what the next save does first
         chk = check_core_dir(mode, d, started, max(D) if D else None)
         res["trials"] += 1
         if chk["problems"]:
@@ -402,7 +402,7 @@ def check_lightning_dir(d: str) -> dict:
         if n.startswith(".") or not n.endswith(".ckpt"):
             continue
         p = os.path.join(d, n)
-        if fp_core.commit.is_placeholder(p):
+        if fp_core.saving.commit.is_placeholder(p):
             empty.append(n)  # the plugin's visible_pending placeholder of a save in flight
             if n == "last.ckpt":
                 problems.append("last.ckpt is a placeholder of a save that never completed")

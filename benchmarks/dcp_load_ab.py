@@ -26,8 +26,8 @@ import warnings
 import torch.distributed.checkpoint as dcp
 
 import fp_core
-from fp_core.dcp import FastPersistReader, FastPersistWriter
-from fp_core.sizes import parse_size
+from fp_core.format.sizes import parse_size
+from fp_core.parallel.dcp import FastPersistReader, FastPersistWriter
 from fp_core.tools.bench import drop_all_caches, make_state_dict, settle
 
 

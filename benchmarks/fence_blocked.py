@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fp_core  # noqa: E402
-from fp_core.sizes import parse_size  # noqa: E402
+from fp_core.format.sizes import parse_size  # noqa: E402
 from fp_core.tools.bench import make_state_dict  # noqa: E402
 
 MODES = {

@@ -29,7 +29,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fp_core import _native  # noqa: E402
-from fp_core.arena import Arena as _Arena  # noqa: E402
+from fp_core.io.arena import Arena as _Arena  # noqa: E402
 
 
 def fault(size: int) -> str:

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fp_core  # noqa: E402
-from fp_core.sizes import parse_size  # noqa: E402
+from fp_core.format.sizes import parse_size  # noqa: E402
 from fp_core.tools.bench import drop_cache, load_device, make_state_dict, settle, touch_pages  # noqa: E402
 
 

@@ -25,7 +25,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from fp_core.sizes import parse_size  # noqa: E402
+from fp_core.format.sizes import parse_size  # noqa: E402
 
 
 def rank_main(rank: int, world: int, port: str, d: str, size: int, repeat: int) -> None:

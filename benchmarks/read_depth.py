@@ -7,7 +7,7 @@ alternated in every round, page cache dropped before each read.
         --device 4:4,8:8,16:4,32:2 --into 4:4,32:2 --load 4:4,32:2 > benchmarks/results/read-depth-2GiB.txt
 
 Prints each setting's median seconds and its median per-round ratio to the first device
-setting's. The settings FastPersist uses are ``fp_core.read_depth``'s.
+setting's. The settings FastPersist uses are ``fp_core.io.read_depth``'s.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ import statistics
 import time
 from collections.abc import Callable
 
-from fp_core import _native, read_depth
+from fp_core import _native
 from fp_core.api import load_into, prepare
-from fp_core.loader import load
-from fp_core.sizes import parse_size
+from fp_core.format.sizes import parse_size
+from fp_core.io import read_depth
+from fp_core.loading.loader import load
 from fp_core.tools.bench import _aligned_buffer, drop_cache, make_state_dict, save_device, settle
 
 MiB = 1 << 20
@@ -30,7 +31,7 @@ MiB = 1 << 20
 
 def settings(text: str) -> list[tuple[int, int]]:
     """``"4:4,32:2"`` -> [(4, 4 MiB), (32, 2 MiB less two pages)]: a 2 MiB chunk is
-    FastPersist's own (fp_core.read_depth.CHUNK), whose staging buffer stays within one huge page."""
+    FastPersist's own (fp_core.io.read_depth.CHUNK), whose staging buffer stays within one huge page."""
     out = []
     for part in filter(None, text.split(",")):
         threads, mib = part.split(":")

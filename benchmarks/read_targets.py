@@ -30,8 +30,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import fp_core  # noqa: E402
-from fp_core import load_in_place  # noqa: E402
-from fp_core.sizes import parse_size  # noqa: E402
+from fp_core.format.sizes import parse_size  # noqa: E402
+from fp_core.loading import load_in_place  # noqa: E402
 from fp_core.tools.bench import (  # noqa: E402
     _aligned_buffer,
     _small_page_buffer,

@@ -4,7 +4,7 @@ saved every N steps), against a save to a new name.
 Replacing a file frees the old one's blocks, which takes time in proportion to its size on
 ext4 (more with the ``discard`` mount option): torch.save pays it in its ``O_TRUNC``,
 ``fp_core.save`` paid it in the rename that commits, and now frees the old file on a
-background thread (``fp_core.deferred_free``). Rows, alternated in every round, each
+background thread (``fp_core.io.deferred_free``). Rows, alternated in every round, each
 writing over its own file of the round before (the frees of one row are waited for and the
 disk settled before the next row starts):
 
@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from fp_core import deferred_free, save  # noqa: E402
-from fp_core.sizes import parse_size  # noqa: E402
+from fp_core import save  # noqa: E402
+from fp_core.format.sizes import parse_size  # noqa: E402
+from fp_core.io import deferred_free
 from fp_core.tools.bench import make_state_dict, save_torch, settle  # noqa: E402
 from fp_core.tools.common import describe_pages, payload_bytes, remove  # noqa: E402
 

@@ -29,8 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import fp_core  # noqa: E402
-from fp_core import loader, memory_image  # noqa: E402
-from fp_core.load_in_place import load_into as load_into_file  # noqa: E402
+from fp_core.io import memory_image  # noqa: E402
+from fp_core.loading import loader
+from fp_core.loading.load_in_place import load_into as load_into_file  # noqa: E402
 
 
 def drop_caches() -> None:

@@ -17,7 +17,7 @@ VM's disk hits all alike:
                        large tensors' bytes copied into huge-page memory first
     extents            the plan's extents as fp_core.save hands them over (torch's memory)
     fp_core.save       the whole save; its serialize and engine.write times are printed too
-    save, plan first   the whole save without the early write (fp_core.early_write): the
+    save, plan first   the whole save without the early write (fp_core.saving.early_write): the
                        plan made before the first byte is written
     save, no handover  the whole save with the early write's thread left to wake on its
                        own while the caller pickles (early_write.HANDOVER_S = 0)
@@ -44,13 +44,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from fp_core import _native, early_write, save  # noqa: E402
+from fp_core import _native, save
 from fp_core.api import prepare  # noqa: E402
-from fp_core.plan import build  # noqa: E402
-from fp_core.sizes import parse_size  # noqa: E402
+from fp_core.format.plan import build  # noqa: E402
+from fp_core.format.sizes import parse_size  # noqa: E402
+from fp_core.io.writer import _extents  # noqa: E402
+from fp_core.saving import early_write  # noqa: E402
 from fp_core.tools.bench import _aligned_buffer, make_state_dict, settle  # noqa: E402
 from fp_core.tools.common import describe_pages, payload_bytes, remove  # noqa: E402
-from fp_core.writer import _extents  # noqa: E402
 
 
 def engine_write(path: str, extents: list[tuple], end: int, *, checksum: bool, zero_copy: bool) -> float:

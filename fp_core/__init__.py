@@ -5,16 +5,16 @@
 """
 
 from .api import inspect, load, load_into, prepare, save, verify
-from .commit import clean
-from .engine import EngineOptions
 from .errors import (
     CheckpointError,
     CheckpointSerializationError,
     CorruptCheckpointError,
     NotAFastPersistCheckpoint,
 )
-from .pipeline import AsyncCheckpointer, AsyncCheckpointError, Handle, SaveHandle
-from .sharded_load import LoadIntoStats
+from .io.engine import EngineOptions
+from .loading.sharded_load import LoadIntoStats
+from .pipeline.checkpointer import AsyncCheckpointer, AsyncCheckpointError, Handle, SaveHandle
+from .saving.commit import clean
 from .stats import SaveStats
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 Every path is routed here, once: a local file, a remote fsspec URL (through the remote
 tier), a file written by many ranks together, or per-rank files. :func:`prepare` turns a
-save into a :class:`~fp_core.job.SaveJob` that ``save`` runs at once and
+save into a :class:`~fp_core.saving.job.SaveJob` that ``save`` runs at once and
 ``AsyncCheckpointer`` runs in the background. ``loader`` and ``integrity`` know local
 files only.
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import integrity, loader, paths
-from .engine import EngineOptions
+from . import paths
 from .gc_pause import gc_paused
-from .job import SaveJob
-from .local import LocalSave
+from .io.engine import EngineOptions
+from .loading import integrity, loader
+from .saving.job import SaveJob
+from .saving.local import LocalSave
 from .sharded import is_sharded
 from .stats import SaveStats
 
@@ -41,14 +42,14 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
     ``congruent``: lay local CPU tensors out congruent to their addresses, so they can be
     written without staging (the async pipeline's layout). ``early_write``: a local save
     that is run at once may start writing its storages while it is prepared
-    (:mod:`fp_core.early_write`).
+    (:mod:`fp_core.saving.early_write`).
     A state holding ``DTensor`` s (FSDP2, tensor parallel) is a sharded checkpoint: ``path``
     is a directory every rank of ``group`` (default: all) writes through DCP
-    (:mod:`fp_core.dcp_save`), with ``extra_files`` (``{name: bytes}``) beside its shards;
+    (:mod:`fp_core.parallel.dcp_save`), with ``extra_files`` (``{name: bytes}``) beside its shards;
     with ``layout="file"``, ``path`` is one ``torch.save`` file of the full state (with
     ``format="safetensors"``: one safetensors file of a flat ``{name: DTensor or tensor}``
     dict, ``metadata`` in its header) that every rank writes its own shards into
-    (:mod:`fp_core.sharded_file`); FSDP1's ``ShardedTensor`` state (``ChunkShardingSpec``
+    (:mod:`fp_core.parallel.sharded_file`); FSDP1's ``ShardedTensor`` state (``ChunkShardingSpec``
     on dim 0) too, in the torch format.
     """
     options = options or EngineOptions()
@@ -56,8 +57,8 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
     if layout not in (None, "dcp", "file"):
         raise ValueError(f"layout must be 'dcp' or 'file', not {layout!r}")
     if layout == "file" and is_sharded(obj):
-        from .distributed import DEFAULT_TIMEOUT_S
-        from .sharded_file import ShardedFileSave
+        from .parallel.distributed import DEFAULT_TIMEOUT_S
+        from .parallel.sharded_file import ShardedFileSave
 
         if is_remote:
             raise ValueError(f"layout=\"file\" saves to a remote URL ({p}) are not supported: save to a shared "
@@ -70,14 +71,14 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
     if layout == "dcp" and not is_sharded(obj):
         raise ValueError(f"{p}: layout=\"dcp\" is for sharded (DTensor) state; this state holds none")
     if is_sharded(obj):
-        from .dcp_save import DcpSave
+        from .parallel.dcp_save import DcpSave
 
         if is_remote:
             raise ValueError(f"sharded checkpoints to a remote URL ({p}) are not supported: save to a local "
                              "directory, then upload it")
         if format != "torch":
             raise ValueError("a sharded checkpoint is a torch.distributed.checkpoint directory: format='torch'")
-        from .distributed import DEFAULT_TIMEOUT_S
+        from .parallel.distributed import DEFAULT_TIMEOUT_S
 
         return DcpSave(obj, p, group, options=options, extra_files=extra_files,
                        timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
@@ -91,7 +92,7 @@ def prepare(obj: Any, path: str | os.PathLike, options: EngineOptions | None = N
 
         return RemoteSave(obj, p, options, format, metadata, storage_options, keep_local)
     if group is not None:
-        from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave
+        from .parallel.distributed import DEFAULT_TIMEOUT_S, CollectiveSave
 
         if format != "torch":
             raise ValueError("collective saves write the torch format")
@@ -121,7 +122,7 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     this): ranks holding the same state write one file together, each a near-equal byte
     range (``topology``: "replica" = every rank, "node" = one per host, an int k = k per
     host, or a list of ranks); ``sharded=True`` when each rank holds different state and
-    writes its own ``path``, all-or-nothing. See :mod:`fp_core.distributed`.
+    writes its own ``path``, all-or-nothing. See :mod:`fp_core.parallel.distributed`.
 
     Remote fsspec URLs (``s3://``, ``memory://``...) are staged locally, committed and
     uploaded before this returns (options ``storage_options=``, ``keep_local=``); see
@@ -129,7 +130,7 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
 
     Sharded state (``DTensor`` s: FSDP2, tensor parallel; every rank calls this): ``path``
     is a checkpoint directory written through ``torch.distributed.checkpoint`` on the
-    native engine, atomically, that stock ``dcp.load`` reads (see :mod:`fp_core.dcp`);
+    native engine, atomically, that stock ``dcp.load`` reads (see :mod:`fp_core.parallel.dcp`);
     ``extra_files`` (``{name: bytes}``) are written into it, checksummed. ``layout="file"``
     instead: ``path`` is one ``torch.save`` file of the full state (each DTensor, or FSDP1
     ``ShardedTensor`` chunked on dim 0, a plain tensor of its global shape, the keys
@@ -141,7 +142,7 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
     is refused: drop the duplicate first, as ``save_pretrained`` does. Tensor parallel's
     ``Shard(d)`` and FSDP2 x TP's ``_StridedShard`` (any mesh) are written too, each local
     shard as the runs of the full tensor's bytes it holds; ``Partial`` is refused on every
-    rank before anything is created (see :mod:`fp_core.sharded_file`).
+    rank before anything is created (see :mod:`fp_core.parallel.sharded_file`).
     """
     opts, rest = EngineOptions.pick(dict(options))
     if rest:
@@ -151,7 +152,7 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
             raise ValueError(f"sharded saves to a remote URL ({paths.split(path)[1]}) are not supported")
         if format != "torch":
             raise ValueError("collective saves write the torch format")
-        from .distributed import DEFAULT_TIMEOUT_S, save_sharded
+        from .parallel.distributed import DEFAULT_TIMEOUT_S, save_sharded
 
         return save_sharded(obj, path, group, options=opts,
                             timeout_s=DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
@@ -172,7 +173,7 @@ def save(obj: Any, path: str | os.PathLike, *, format: str = "torch", metadata: 
 def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None,
          verify: bool | str = False, *, mmap: bool = False, storage_options: dict | None = None,
          keep_local: bool = False) -> Any:
-    """``torch.load`` of ``path`` through the fast reader (see :func:`fp_core.loader.load`).
+    """``torch.load`` of ``path`` through the fast reader (see :func:`fp_core.loading.loader.load`).
 
     ``verify=True`` checks every byte against the manifest while loading (raising
     :class:`CorruptCheckpointError` naming the damaged record); ``verify="auto"`` does so
@@ -197,7 +198,7 @@ def load(path: str | os.PathLike, map_location: Any = None, weights_only: bool |
                            storage_options=storage_options, keep_local=keep_local)
     image = _memory_image(p)
     if image is not None:
-        from .memory_image import frozen
+        from .io.memory_image import frozen
 
         # The tensors are built on a mapping of the image where nobody writes into it again
         # (its trainer is gone: no later snapshot lands in it); else on a copy.
@@ -220,8 +221,8 @@ class _MemoryImageFailed(Exception):
 
 def _memory_image(path: str) -> str | None:
     """The shared-memory image of the checkpoint file ``path`` that a process writer with
-    ``resume_from_memory`` left (:mod:`fp_core.memory_image`), while it holds that file."""
-    from . import memory_image
+    ``resume_from_memory`` left (:mod:`fp_core.io.memory_image`), while it holds that file."""
+    from .io import memory_image
 
     return memory_image.find(path)
 
@@ -239,7 +240,7 @@ def _from_memory(path: str, image: str, read: Any) -> Any:
                     path, type(e).__name__, e)
         raise _MemoryImageFailed from e
     log.info("fastpersist: %s loaded from its shared-memory image %s (every byte checked)", path, image)
-    from . import memory_image
+    from .io import memory_image
 
     memory_image.hits += 1
     memory_image.loaded.add(image)
@@ -254,12 +255,12 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, wei
     model, optimizer and scheduler themselves (``{"model": model, "optim": optimizer}``):
     each is then handed the file's state by its own ``load_state_dict`` (the file's lr,
     not the live one), and a fresh optimizer's state is created from the file. See
-    :func:`fp_core.load_in_place.load_into`. A remote URL is fetched into local staging
+    :func:`fp_core.loading.load_in_place.load_into`. A remote URL is fetched into local staging
     first. DTensors (FSDP2, HSDP; any number of ranks) are filled from one file of the full
     state, each rank reading only its own rows. ``stats``: a
-    :class:`fp_core.sharded_load.LoadIntoStats` filled with the bytes read. As :func:`load`,
+    :class:`fp_core.loading.sharded_load.LoadIntoStats` filled with the bytes read. As :func:`load`,
     a shared-memory image of the file is read instead of the disk where one holds it."""
-    from .load_in_place import load_into as fill
+    from .loading.load_in_place import load_into as fill
 
     is_remote, p = paths.split(path)
     if is_remote:
@@ -281,14 +282,14 @@ def load_into(target: Any, path: str | os.PathLike, *, verify: bool = False, wei
 def verify(path: str | os.PathLike, *, storage_options: dict | None = None) -> dict:
     """Check every byte of a checkpoint against its manifest (a remote one on a staged
     copy; a sharded checkpoint directory rank file by rank file, naming the file and the
-    FQN of a damaged item); see :func:`fp_core.integrity.verify`."""
+    FQN of a damaged item); see :func:`fp_core.loading.integrity.verify`."""
     is_remote, p = paths.split(path)
     if is_remote:
         from . import remote
 
         return remote.verify(p, storage_options=storage_options)
     if os.path.isdir(p):  # a sharded (torch.distributed.checkpoint) checkpoint directory
-        from . import dcp
+        from .parallel import dcp
 
         return dcp.verify_dir(p)
     return integrity.verify(p)
@@ -299,7 +300,7 @@ def inspect(path: str | os.PathLike) -> list[dict]:
     directory): name, tensor, dtype, size, offset, checksum."""
     p = paths.split(path)[1]
     if os.path.isdir(p):
-        from . import dcp
+        from .parallel import dcp
 
         return dcp.inspect_dir(p)
     return integrity.inspect(p)
@@ -310,7 +311,7 @@ def wait_for_writers(path: str | os.PathLike, timeout: float = 120.0) -> None:
     killed after a fence) still commits a checkpoint at or under the directory ``path``, at
     most ``timeout`` s. Call it before a restart lists the checkpoints there (the newest
     may be one such writer is committing). Returns at once where there is none."""
-    from . import memory_image
+    from .io import memory_image
 
     memory_image.wait_for_writers_under(path, timeout)
 

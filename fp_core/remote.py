@@ -70,10 +70,12 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from . import commit, deferred_free, integrity, loader
 from .errors import CorruptCheckpointError, NotAFastPersistCheckpoint
+from .format.sizes import parse_size
+from .io import deferred_free
+from .loading import integrity, loader
 from .paths import is_remote, split
-from .sizes import parse_size
+from .saving import commit
 
 log = logging.getLogger("fastpersist")
 
@@ -466,7 +468,7 @@ def upload_file(local_path: str | os.PathLike, url: str, *, storage_options: dic
 
 
 class RemoteSave:
-    """A save to a remote URL (a SaveJob): a :class:`~fp_core.local.LocalSave` into a
+    """A save to a remote URL (a SaveJob): a :class:`~fp_core.saving.local.LocalSave` into a
     staging slot, committed there, then uploaded; ``final`` is the URL."""
 
     collective = False
@@ -474,7 +476,7 @@ class RemoteSave:
     def __init__(self, obj: Any, url: str, options: Any, format: str = "torch",
                  metadata: dict[str, str] | None = None, storage_options: dict | None = None,
                  keep_local: bool = False) -> None:
-        from .local import LocalSave
+        from .saving.local import LocalSave
 
         self.final = split(url)[1]
         self.storage_options = storage_options

@@ -69,7 +69,7 @@ def is_sharded(obj: Any) -> bool:
 
 def has_sharded_tensor(obj: Any) -> bool:
     """Does ``obj`` hold a ``ShardedTensor`` (FSDP1's sharded state: saved by ``dcp.save``
-    with :class:`fp_core.dcp.FastPersistWriter`, not by the async pipeline)?"""
+    with :class:`fp_core.parallel.dcp.FastPersistWriter`, not by the async pipeline)?"""
     kind = sharded_tensor_type()
     return kind is not None and _holds(obj, (kind,))
 

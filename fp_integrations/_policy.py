@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fp_core import AsyncCheckpointer, CheckpointError, EngineOptions
-from fp_core.pipeline import POLICIES, WRITERS
+from fp_core.pipeline.checkpointer import POLICIES, WRITERS
 
 log = logging.getLogger("fastpersist")
 

@@ -80,7 +80,7 @@ with a *shared* filesystem is not supported (two ranks would commit the same dir
 FSDP2 with ``SHARDED_STATE_DICT`` (accelerate's ``fsdp_version=2``): every rank saves its
 shards of the model and optimizer in the background, in accelerate's layout
 (``pytorch_model_fsdp_0/`` and ``optimizer_0/``, DCP directories written by
-``fp_core.dcp.FastPersistWriter``: the stock resume reads them), the small files as
+``fp_core.parallel.dcp.FastPersistWriter``: the stock resume reads them), the small files as
 above, and the directory is committed after every rank's writes; resume verifies every
 item.
 

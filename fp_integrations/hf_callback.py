@@ -23,13 +23,13 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
 from fp_core import api as fp_api
-from fp_core import checkpoint_dir as fp_checkpoint_dir
-from fp_core import commit as fp_commit
-from fp_core import distributed as fp_dist
 from fp_core import remote as fp_remote
-from fp_core import retention
-from fp_core.commit import fsync_file
-from fp_core.pipeline import AsyncCheckpointer
+from fp_core.loading import checkpoint_dir as fp_checkpoint_dir
+from fp_core.parallel import distributed as fp_dist
+from fp_core.pipeline.checkpointer import AsyncCheckpointer
+from fp_core.saving import commit as fp_commit
+from fp_core.saving import retention
+from fp_core.saving.commit import fsync_file
 
 from ._policy import ErrorPolicy, checkpointer_options
 from .hf_common import (
@@ -654,8 +654,8 @@ class FastPersistCallback(_ResumeHooks, _RemoteCopies, TrainerCallback):
 
 
 def _rotate_local(run_dir: str, save_total_limit: int | None, best: str | None) -> None:
-    """transformers' ``rotate_checkpoints`` (the same victims: ``fp_core.retention``), each
-    victim renamed out of ``checkpoint-*`` before it is deleted (``fp_core.commit.retire_dirs``),
+    """transformers' ``rotate_checkpoints`` (the same victims: ``fp_core.saving.retention``), each
+    victim renamed out of ``checkpoint-*`` before it is deleted (``fp_core.saving.commit.retire_dirs``),
     so a kill during the slow recursive delete never leaves a half-deleted checkpoint-N."""
     if save_total_limit is None or save_total_limit <= 0:
         return

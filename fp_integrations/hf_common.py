@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fp_core.pipeline import AsyncCheckpointer
+from fp_core.pipeline.checkpointer import AsyncCheckpointer
 
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"

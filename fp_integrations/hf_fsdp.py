@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from fp_core.pipeline import AsyncCheckpointer
+from fp_core.pipeline.checkpointer import AsyncCheckpointer
 
 from .hf_common import _safetensors_writes_go_to
 
@@ -94,8 +94,8 @@ def _stand_ins(model_sd: dict) -> tuple[dict, Any]:
     ``save_pretrained`` drops the tied copies as it does for the model itself. (Stock's
     gather on several ranks gives each name a tensor of its own, and its file keeps the
     tied copy too: ``from_pretrained`` ties it again either way.)"""
+    from fp_core.parallel.sharded_file import Placeholders
     from fp_core.sharded import dtensor_type
-    from fp_core.sharded_file import Placeholders
 
     kind = dtensor_type()
     first: dict[tuple, str] = {}  # local memory -> the first name over it

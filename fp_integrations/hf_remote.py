@@ -12,9 +12,9 @@ import time
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from fp_core import commit as fp_commit
 from fp_core import remote as fp_remote
-from fp_core import retention
+from fp_core.saving import commit as fp_commit
+from fp_core.saving import retention
 
 from .hf_common import CheckpointRecord
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from fp_core import checkpoint_dir as fp_checkpoint_dir
+from fp_core.loading import checkpoint_dir as fp_checkpoint_dir
 
 from ._policy import FastPersistWarning
 from .hf_common import SCHEDULER_NAME, _intercept_lock
@@ -133,7 +133,7 @@ def verify_checkpoint_dir(path: str, *, read_elsewhere: Collection[str] = ()) ->
     writes into their header (a file written by another tool: its structure, as
     safetensors' own parser checks it), JSON files must parse, FSDP's sharded DCP
     directories rank file by rank file. A directory the callback committed lists its files
-    (:data:`fp_core.checkpoint_dir.DIR_MANIFEST`): one of them missing or of another size
+    (:data:`fp_core.loading.checkpoint_dir.DIR_MANIFEST`): one of them missing or of another size
     (``optimizer.pt`` deleted: the Trainer resumes with a fresh optimizer) is said in a
     :class:`FastPersistWarning`, and the files that are there are checked: a checkpoint
     edited on purpose (a model resharded, a file rewritten in another format) resumes as
@@ -144,7 +144,7 @@ def verify_checkpoint_dir(path: str, *, read_elsewhere: Collection[str] = ()) ->
     as it reads them (from their shared-memory images): here only their presence and size.
     """
     from fp_core import CorruptCheckpointError, NotAFastPersistCheckpoint, verify
-    from fp_core.dcp import verify_dir as verify_dcp
+    from fp_core.parallel.dcp import verify_dir as verify_dcp
 
     try:
         try:

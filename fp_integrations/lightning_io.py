@@ -23,11 +23,11 @@ from collections import deque
 from typing import Any
 
 import fp_core
-from fp_core import AsyncCheckpointError, CheckpointError, optim_hooks
-from fp_core import commit as fp_commit
+from fp_core import AsyncCheckpointError, CheckpointError
 from fp_core import paths as fp_paths
 from fp_core import remote as fp_remote
-from fp_core.pipeline import fence_before_update
+from fp_core.pipeline.checkpointer import fence_before_update, optim_hooks
+from fp_core.saving import commit as fp_commit
 from fp_core.sharded import map_containers
 
 from ._policy import ErrorPolicy, FastPersistWarning, checkpointer_options
@@ -437,8 +437,8 @@ class _FastPersistIOImpl:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from fp_core.dcp import FastPersistWriter, device_work_after, record_ready
-        from fp_core.distributed import coordination_group
+        from fp_core.parallel.dcp import FastPersistWriter, device_work_after, record_ready
+        from fp_core.parallel.distributed import coordination_group
 
         ckpt = self._checkpointer()
         group = coordination_group(None)
@@ -513,7 +513,7 @@ class _FastPersistIOImpl:
         so each rank writes a near-equal byte range of the one file (``fp_core.save(...,
         group=...)``). Must run on every rank at the same point (creates a gloo group).
         """
-        from fp_core.distributed import coordination_group
+        from fp_core.parallel.distributed import coordination_group
 
         coordination_group(None)  # collective: create it now, on the main thread, on every rank
         if self._ckpt is not None and getattr(self._ckpt, "group", None) is None:

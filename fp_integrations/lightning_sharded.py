@@ -8,7 +8,7 @@ Those strategies never hand a sharded checkpoint to the ``CheckpointIO``: every 
 
 * ``save_checkpoint``: the same directory (``__<rank>_0.distcp`` files, ``.metadata``,
   ``meta.pt``), written by every rank through ``fp_core.AsyncCheckpointer`` (the DTensor
-  state becomes an ``fp_core.dcp_save.DcpSave`` job): in the background while training
+  state becomes an ``fp_core.parallel.dcp_save.DcpSave`` job): in the background while training
   runs, fenced before the next optimizer step, blocking where the plugin's saves block;
   ``meta.pt`` is committed inside the directory with it, and the whole directory appears
   under its name at once, checksummed. FSDP1's ``ShardedTensor`` state is copied at save
@@ -32,7 +32,7 @@ Lightning loads these directories and FastPersist loads stock ones.
 Lightning gathers the full model and optimizer state to rank 0, which writes the file. Routed,
 no rank gathers anything: the checkpoint keeps each parameter's and each optimizer state's
 DTensor, and every rank writes its own rows of the one file (``fp_core.save(...,
-layout="file")``, :mod:`fp_core.sharded_file`), which holds what stock writes there (the
+layout="file")``, :mod:`fp_core.parallel.sharded_file`), which holds what stock writes there (the
 full ``state_dict``, ``optimizer_states`` keyed by parameter id as
 ``FSDP.rekey_optim_state_dict`` keys them, rank 0's loops, callbacks and schedulers), so
 plain ``torch.load`` and stock Lightning read it; written in the background through the
@@ -130,7 +130,7 @@ def _install(strategy: Any, plugin: Any) -> None:
     def load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = os.fspath(strategy.broadcast(checkpoint_path))
         plugin.wait_for_path(os.path.abspath(path))
-        from fp_core import dcp as fp_dcp
+        from fp_core.parallel import dcp as fp_dcp
 
         if os.path.isfile(path) and "ModelParallelStrategy" in _class_names(strategy):
             loaded = _load_file(strategy, plugin, path, weights_only)
@@ -367,7 +367,7 @@ def _reads_through_fastpersist(strategy: Any, verify: bool) -> Iterator[None]:
     DCP reads) from the strategy modules; for this load, they read with FastPersistReader."""
     import torch.distributed.checkpoint as dcp
 
-    from fp_core.dcp import FastPersistReader
+    from fp_core.parallel.dcp import FastPersistReader
 
     def load(state: dict[str, Any], path: Any) -> None:
         dcp.load(state, storage_reader=FastPersistReader(path, verify=verify))

@@ -243,7 +243,7 @@ def fault():
 @pytest.fixture
 def fresh_fallback_log():
     """The engine logs each distinct backend fallback once per process; forget what it logged."""
-    from fp_core import engine
+    from fp_core.io import engine
 
     saved = set(engine._reported)
     engine._reported.clear()
@@ -257,13 +257,13 @@ def fresh_fallback_log():
 
 def _settled_hooks() -> int:
     """torch's global pre-hook count once hooks freed or switched off earlier are out
-    (their removal waits for a safe point: fp_core.optim_hooks)."""
+    (their removal waits for a safe point: fp_core.pipeline.optim_hooks)."""
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
     import fp_core
 
     gc.collect()
-    fp_core.optim_hooks.flush()
+    fp_core.pipeline.optim_hooks.flush()
     return len(_global_optimizer_pre_hooks)
 
 

@@ -4,7 +4,8 @@
 * the runtime (``fp_core`` outside ``fp_core.tools``) never imports Lightning, transformers
   or the tools;
 * the integrations use only the core's public modules, never the native engine or the
-  core's internals (they know their framework; the core knows torch and files).
+  core's internals (they know their framework; the core knows torch and files);
+* each of the core's subpackages imports only from the layers below it (LAYERS).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("fp_core", "fp_integrations")
 FRAMEWORKS = ("lightning", "pytorch_lightning", "lightning_fabric", "transformers", "accelerate")
 # What an integration may import from the core: the package and these modules.
-CORE_PUBLIC = {"fp_core", "fp_core.api", "fp_core.pipeline", "fp_core.remote", "fp_core.commit",
-               "fp_core.retention", "fp_core.distributed", "fp_core.paths", "fp_core.errors", "fp_core.stats",
-               "fp_core.engine", "fp_core.optim_hooks", "fp_core.job", "fp_core.dcp", "fp_core.sharded",
-               "fp_core.sharded_file", "fp_core.checkpoint_dir"}
+CORE_PUBLIC = {"fp_core", "fp_core.api", "fp_core.pipeline.checkpointer", "fp_core.remote", "fp_core.saving.commit",
+               "fp_core.saving.retention", "fp_core.parallel.distributed", "fp_core.paths", "fp_core.errors", "fp_core.stats",
+               "fp_core.io.engine", "fp_core.pipeline.optim_hooks", "fp_core.saving.job", "fp_core.parallel.dcp", "fp_core.sharded",
+               "fp_core.parallel.sharded_file", "fp_core.loading.checkpoint_dir"}
 
 
 def _modules() -> dict[str, str]:
@@ -85,9 +86,12 @@ def _cycles(graph: dict[str, set[str]], members: set[str]) -> list[list[str]]:
 
 def test_no_import_cycle_inside_a_package():
     g = _graph()
-    for pkg in ("fp_core", "fp_core.tools", "fp_integrations"):
+    packages = {m for m in g if m.startswith(("fp_core", "fp_integrations")) and
+                _modules()[m].endswith("__init__.py")}
+    assert {"fp_core", "fp_core.pipeline", "fp_core.tools", "fp_integrations"} <= packages
+    for pkg in sorted(packages):
         members = {m for m in g if m.startswith(pkg + ".") and m.count(".") == pkg.count(".") + 1
-                   and not (pkg == "fp_core" and m.startswith("fp_core.tools"))}
+                   and m not in packages}
         assert _cycles(g, members) == [], f"import cycles in {pkg}"
 
 
@@ -107,10 +111,67 @@ def test_integrations_use_only_the_cores_public_modules():
             assert core <= CORE_PUBLIC, f"{m} imports core internals {sorted(core - CORE_PUBLIC)}"
 
 
+# The core's layers, bottom up (docs/design.md): a module imports from its own layer, the
+# layers below it and the base modules, never from a layer above. The base modules import
+# only each other.
+BASE = {"fp_core._native", "fp_core.errors", "fp_core.stats", "fp_core.paths", "fp_core.gc_pause", "fp_core.sharded"}
+LAYERS = ["fp_core.format", "fp_core.io", "fp_core.saving", "fp_core.loading", "fp_core.parallel", "fp_core.remote",
+          "fp_core.api", "fp_core.pipeline", "fp_core.tools"]
+
+
+def _layer(m: str) -> int | None:
+    for i, layer in enumerate(LAYERS):
+        if m == layer or m.startswith(layer + "."):
+            return i
+    return None
+
+
+def _layer_violations(g: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for m, imports in sorted(g.items()):
+        if not m.startswith("fp_core."):
+            continue  # the package itself exposes the public API of every layer
+        for i in sorted(imports):
+            if not i.startswith("fp_core") or i == m:
+                continue
+            if m in BASE:
+                ok = i in BASE
+            else:
+                lm, li = _layer(m), _layer(i)
+                ok = i in BASE or (lm is not None and li is not None and li <= lm) or (i == "fp_core" and
+                                                                                         m.startswith("fp_core.tools"))
+            if not ok:
+                bad.append(f"{m} -> {i}")
+    return bad
+
+
+def test_every_core_module_is_in_a_layer():
+    g = _graph()
+    loose = [m for m in g if m.startswith("fp_core.") and m not in BASE and _layer(m) is None]
+    assert not loose, f"modules in no layer of LAYERS or BASE: {loose}"
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    assert _layer_violations(_graph()) == []
+
+
 def test_the_checker_sees_what_it_checks():
     """The rules above would pass vacuously if the parser found no imports."""
     g = _graph()
-    assert "fp_core.local" in g["fp_core.api"] and "fp_core.remote" in g["fp_core.api"]  # a lazy import counts
-    assert "fp_core._native" in g["fp_core.writer"]
+    assert "fp_core.saving.local" in g["fp_core.api"] and "fp_core.remote" in g["fp_core.api"]  # a lazy import counts
+    assert "fp_core._native" in g["fp_core.io.writer"]
     assert "lightning" in {i.split(".")[0] for i in g["fp_integrations.lightning_io"]}
     assert _cycles({"a": {"b"}, "b": {"a"}}, {"a", "b"}) == [["a", "b", "a"]]
+    assert _layer_violations({"fp_core.format.plan": {"fp_core.saving.commit"},
+                              "fp_core.errors": {"fp_core.format.plan"}}) == [
+        "fp_core.errors -> fp_core.format.plan", "fp_core.format.plan -> fp_core.saving.commit"]
+
+
+def test_the_package_lists_every_subpackage():
+    """A wheel holds only the packages pyproject.toml names: a new subpackage must be there."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {m for m, p in _modules().items() if p.endswith("__init__.py")}
+    assert listed == found

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..commit import fsync_file
+from ..saving.commit import fsync_file
 from .bench_args import ALL_ROWS, LOAD_ROWS, SAVE_ROWS, engine_options
 from .common import describe_device, describe_pages, format_targets, payload_bytes, remove
 from .procinfo import status_field
@@ -355,7 +355,8 @@ def load_device(path: str, buf: np.ndarray, nbytes: int) -> None:
     as torch's tensors are unless ``THP_MEM_ALLOC_ENABLE=1``: O_DIRECT reads into them
     run slower on some hosts (a VM maps every page for the device), and ``load_into``
     fills such tensors."""
-    from .. import _native, read_depth
+    from .. import _native
+    from ..io import read_depth
     with _native.Reader(path, direct=True) as r:
         r.read_into(0, buf.ctypes.data, nbytes, checksum=False, threads=read_depth.THREADS,
                     chunk_bytes=read_depth.CHUNK)
@@ -387,7 +388,8 @@ def load_device_fresh(path: str, nbytes: int) -> None:
     tensors must use: the reads fault its pages in."""
     import mmap
 
-    from .. import _native, read_depth
+    from .. import _native
+    from ..io import read_depth
     buf = mmap.mmap(-1, -(-nbytes // 4096) * 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         with _native.Reader(path, direct=True) as r:
@@ -572,7 +574,7 @@ def run_sync(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, 
         loaders["load_safetensors"] = (files["safetensors"],
                                        lambda: load_safetensors(files["safetensors"], map_location or "cpu"))
     if any(r.startswith("load_fastpersist") for r in only):
-        from ..loader import load as fp_load
+        from ..loading.loader import load as fp_load
         ensure("fastpersist", savers["fastpersist"])
         for key, mapped, check in (("load_fastpersist", False, False), ("load_fastpersist_verify", False, True),
                                    ("load_fastpersist_mmap", True, False), ("load_fastpersist_mmap_verify", True, True)):

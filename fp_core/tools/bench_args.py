@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..sizes import parse_size
+from ..format.sizes import parse_size
 
 DEFAULT_SIZE = "1GiB"
 
@@ -34,7 +34,7 @@ ENGINE_OPTIONS = ("backend", "queue_depth", "chunk_bytes", "copy_threads", "io_t
 
 
 def size_arg(text: str) -> int:
-    """An argparse ``type``: :func:`fp_core.sizes.parse_size`, and more than zero bytes."""
+    """An argparse ``type``: :func:`fp_core.format.sizes.parse_size`, and more than zero bytes."""
     try:
         n = parse_size(text)
     except ValueError as e:

@@ -75,7 +75,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..commit import fsync_file
+from ..saving.commit import fsync_file
 from .bench_args import DTYPE_NAMES, MODES, engine_options
 from .common import describe_device, describe_pages, format_targets, payload_bytes, remove, tensors_in
 from .procinfo import available_memory, cpu_seconds
@@ -235,7 +235,7 @@ class DiskOnly(Mode):
         from concurrent.futures import ThreadPoolExecutor
 
         from .. import _native
-        from ..engine import EngineOptions
+        from ..io.engine import EngineOptions
         self.options = EngineOptions(**engine_options)
         tensors = tensors_in(tr.state())  # device tensors too: their bytes are what a checkpoint writes
         self.nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -266,7 +266,7 @@ class DiskOnly(Mode):
         self.future: Any = None
 
     def _write(self) -> None:
-        from ..engine import open_engine
+        from ..io.engine import open_engine
         tmp = self.path + ".tmp"  # a new file replacing the last, as a checkpoint commit does
         eng = open_engine(tmp, self.options)
         try:
@@ -350,7 +350,7 @@ class FastPersistAsync(Mode):
                  cpu_work_at_save: bool | None = None, collapse_live_tensors: bool = False,
                  writer: str = "thread", huge_pages: bool = True) -> None:
         super().__init__(path)
-        from ..pipeline import AsyncCheckpointer
+        from ..pipeline.checkpointer import AsyncCheckpointer
         self.ckpt = AsyncCheckpointer(policy=policy, cpu_work_at_save=cpu_work_at_save,
                                       collapse_live_tensors=collapse_live_tensors, writer=writer,
                                       huge_pages=huge_pages, **engine_options)

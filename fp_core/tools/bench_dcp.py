@@ -127,7 +127,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import fp_core
-    from fp_core.dcp import FastPersistReader, FastPersistWriter
+    from fp_core.parallel.dcp import FastPersistReader, FastPersistWriter
 
     from .bench import drop_all_caches
 

@@ -18,8 +18,8 @@ import os
 import sys
 
 from ..api import inspect, verify
-from ..commit import clean
 from ..errors import CheckpointError, NotAFastPersistCheckpoint
+from ..saving.commit import clean
 from . import bench_args
 
 EXIT_CORRUPT = 1
@@ -110,7 +110,7 @@ def _cmd_clean(args: argparse.Namespace) -> int:
 
 
 def _cmd_images(args: argparse.Namespace) -> int:
-    from .. import memory_image
+    from ..io import memory_image
 
     try:
         d = memory_image.directory(create=False)

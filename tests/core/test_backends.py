@@ -111,7 +111,7 @@ def test_page_aligned_tensors_are_written_without_staging(disk_dir):
     (8192 + 64, 4096 * 7 + 64, 4096),  # too short for a whole block
 ])
 def test_split_congruent_tiles_the_extent(offset, addr, length):
-    from fp_core.writer import split_congruent
+    from fp_core.io.writer import split_congruent
     parts = split_congruent(offset, addr, length, 4096)
     pos = offset
     for off, ad, n in parts:

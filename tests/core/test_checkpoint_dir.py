@@ -1,4 +1,4 @@
-"""A checkpoint directory's manifest (fp_core.checkpoint_dir.DIR_MANIFEST): what it lists is
+"""A checkpoint directory's manifest (fp_core.loading.checkpoint_dir.DIR_MANIFEST): what it lists is
 checked on verify (missing, resized, replaced), what it does not list is extra; the manifest
 itself is untrusted input: a damaged or crafted one is CorruptCheckpointError, never a
 traceback and never a look outside the directory."""
@@ -16,7 +16,7 @@ from conftest import REPO
 
 import fp_core
 from fp_core import CorruptCheckpointError
-from fp_core.checkpoint_dir import (
+from fp_core.loading.checkpoint_dir import (
     DIR_MANIFEST,
     DIR_MANIFEST_FORMAT,
     MAX_DIR_MANIFEST_BYTES,

@@ -92,7 +92,7 @@ def test_crash_mid_save_leaves_a_loadable_checkpoint_and_nothing_else(disk_dir):
             # machine can deschedule the writer there): a whole file under a dotted temporary
             # name, which nobody holds any more, so the next clean (the next save's) removes it.
             (orphan,) = [n for n in left if n != "crash.pt"]
-            assert fp_core.commit._TEMP_RE.match(orphan), left
+            assert fp_core.saving.commit._TEMP_RE.match(orphan), left
             _check_generation(os.path.join(disk_dir, orphan))
             assert fp_core.clean(disk_dir) == [os.path.join(disk_dir, orphan)]
             assert sorted(os.listdir(disk_dir)) == ["crash.pt"]
@@ -121,12 +121,12 @@ def test_kill_between_link_and_rename_leaves_a_whole_file_the_next_save_removes(
     assert r.returncode == -signal.SIGKILL, r.stderr
     assert _check_generation(path) == 1  # the previous checkpoint, untouched
     (orphan,) = [n for n in os.listdir(disk_dir) if n != "crash.pt"]
-    assert fp_core.commit._TEMP_RE.match(orphan)
+    assert fp_core.saving.commit._TEMP_RE.match(orphan)
     assert _check_generation(os.path.join(disk_dir, orphan)) == 2  # whole, never under the checkpoint's name
     # A new process's first save into the directory removes it (off its thread).
     r = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {repo!r}); import fp_core, torch; "
                         f"fp_core.save({{'x': torch.ones(3)}}, {os.path.join(disk_dir, 'other.pt')!r}); "
-                        f"fp_core.commit.wait_for_clean({disk_dir!r})"], capture_output=True, text=True)
+                        f"fp_core.saving.commit.wait_for_clean({disk_dir!r})"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(disk_dir)) == ["crash.pt", "other.pt"]
 
@@ -151,7 +151,7 @@ def test_a_failed_rename_names_the_checkpoint_and_keeps_the_previous_one(disk_di
 
 def test_a_new_name_is_linked_straight_to_the_file(disk_dir):
     """An unnamed file given a name that is free never shows under a temporary name."""
-    if not fp_core.commit.tmpfile_supported(disk_dir):
+    if not fp_core.saving.commit.tmpfile_supported(disk_dir):
         pytest.skip("no O_TMPFILE on this filesystem")
     d = os.path.join(disk_dir, "d")
     os.mkdir(d)
@@ -162,18 +162,18 @@ def test_a_new_name_is_linked_straight_to_the_file(disk_dir):
         seen.append(real(fd, tmp, final))
         return seen[-1]
 
-    fp_core.commit._native.link_replace = spy
+    fp_core.saving.commit._native.link_replace = spy
     try:
         fp_core.save({"x": torch.ones(3)}, os.path.join(d, "a.pt"))
         fp_core.save({"x": torch.ones(4)}, os.path.join(d, "a.pt"))
     finally:
-        fp_core.commit._native.link_replace = real
+        fp_core.saving.commit._native.link_replace = real
     assert seen == [True, False]
     assert os.listdir(d) == ["a.pt"] and torch.load(os.path.join(d, "a.pt"))["x"].shape == (4,)
 
 
 def _fake_orphan(directory: str, final_name: str, host: str | None = None) -> str:
-    p = os.path.join(directory, f".{final_name}.{host or fp_core.commit._HOST}-4242-deadbeef.fptmp")
+    p = os.path.join(directory, f".{final_name}.{host or fp_core.saving.commit._HOST}-4242-deadbeef.fptmp")
     with open(p, "wb") as f:
         f.write(b"partial" * 100)
     return p
@@ -183,21 +183,21 @@ def test_clean_removes_only_unheld_temps_named_as_ours(disk_dir):
     orphan = _fake_orphan(disk_dir, "a.pt")  # nobody holds it: its writer died
     live = _fake_orphan(disk_dir, "b.pt")
     fd = os.open(live, os.O_RDONLY)
-    held = fp_core.commit.hold(fd)  # a writer still at work (whatever its pid)
+    held = fp_core.saving.commit.hold(fd)  # a writer still at work (whatever its pid)
     os.close(fd)
     other_host = _fake_orphan(disk_dir, "c.pt", host="otherhost")  # not ours to judge
     lookalikes = [".notes.fptmp", ".a.pt.fptmp", ".a.pt.host-1-xyz.fptmp", ".a.pt.host-1-deadbeef.fptmp.bak"]
     for n in lookalikes:
         open(os.path.join(disk_dir, n), "w").close()
     os.mkdir(os.path.join(disk_dir, ".d.pt.host-1-deadbeef.fptmp"))  # a directory, not a temp file
-    os.symlink(orphan, os.path.join(disk_dir, f".e.pt.{fp_core.commit._HOST}-1-deadbeef.fptmp"))
+    os.symlink(orphan, os.path.join(disk_dir, f".e.pt.{fp_core.saving.commit._HOST}-1-deadbeef.fptmp"))
     try:
         assert fp_core.clean(disk_dir) == [orphan]
         assert os.path.exists(live) and os.path.exists(other_host)
         assert all(os.path.exists(os.path.join(disk_dir, n)) for n in lookalikes)
         orphan2 = _fake_orphan(disk_dir, "a.pt")
         fp_core.save({"x": torch.ones(3)}, os.path.join(disk_dir, "a.pt"))
-        fp_core.commit.wait_for_clean(disk_dir)  # the first save into a directory cleans it, off-thread
+        fp_core.saving.commit.wait_for_clean(disk_dir)  # the first save into a directory cleans it, off-thread
         assert not os.path.exists(orphan2), "the next save into the directory removes orphans"
         assert os.path.exists(live) and os.path.exists(other_host)
     finally:
@@ -246,7 +246,7 @@ def test_save_in_progress_never_shows_in_the_directory(disk_dir):
 def test_named_temp_files_where_o_tmpfile_is_refused(disk_dir, monkeypatch):
     """Where the filesystem refuses O_TMPFILE the save falls back to a named temporary file,
     held (flock) while written, and still leaves nothing behind."""
-    from fp_core import commit
+    from fp_core.saving import commit
 
     monkeypatch.setitem(commit._TMPFILE_OK, os.stat(disk_dir).st_dev, False)
     path = os.path.join(disk_dir, "named.pt")
@@ -268,7 +268,7 @@ def test_named_temp_files_where_o_tmpfile_is_refused(disk_dir, monkeypatch):
 def test_clean_never_removes_a_checkpoint_renamed_over_a_stale_placeholder(disk_dir):
     """The clean-up judges a placeholder stale (its writer died), then a save renames a finished
     checkpoint over that name before the clean-up removes it: the checkpoint must survive."""
-    from fp_core import commit
+    from fp_core.saving import commit
 
     path = os.path.join(disk_dir, "x.ckpt")
     fd = commit.claim(path)

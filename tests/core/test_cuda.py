@@ -28,8 +28,8 @@ from conftest import assert_no_temps, rss_bytes  # noqa: E402
 from test_cuda_logic import assert_same_tensors, assert_views_share_storage, dtype_state  # noqa: E402
 
 import fp_core  # noqa: E402
-import fp_core.writer  # noqa: E402
-from fp_core.plan import StorageExtent, build, byte_view  # noqa: E402
+import fp_core.io.writer  # noqa: E402
+from fp_core.format.plan import StorageExtent, build, byte_view  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -118,7 +118,7 @@ def test_safetensors_of_device_tensors_larger_than_a_staging_batch(disk_dir, mon
     staging batches of a packed safetensors file must still start block-aligned."""
     from safetensors.torch import load_file
 
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 * MiB)
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", 1 * MiB)
     g = torch.Generator(device="cuda").manual_seed(5)
     tensors = {f"layer{i}.weight": torch.randn(n, device="cuda", generator=g)
                for i, n in enumerate((300_001, 250_003, 333_333, 7, 600_001))}
@@ -313,7 +313,7 @@ def test_overlap_with_device_batches_and_cpu_step_tensors(disk_dir, monkeypatch)
     """torch's Adam keeps ``step`` on the CPU for a CUDA model: device storages larger than
     a staging batch followed by CPU scalars in the file (the batches must still be cut at
     block boundaries for O_DIRECT)."""
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 * MiB)
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", 1 * MiB)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024)).cuda()
     opt = torch.optim.Adam(model.parameters())
@@ -350,7 +350,7 @@ def _pinned_stats() -> dict | None:
 @pytest.mark.parametrize("policy", ["overlap", "snapshot"])
 def test_pinned_staging_stays_within_budget_over_50_saves(disk_dir, monkeypatch, policy):
     batch = 32 * MiB
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", batch)
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", batch)
     g = torch.Generator(device="cuda").manual_seed(3)
     big = [torch.randn(n // 4, device="cuda", generator=g) for n in (12 * MiB,) * 4 + (40 * MiB,)]
     small = [torch.randn(16 * 1024, device="cuda", generator=g) for _ in range(16)]  # 64 KiB each
@@ -360,7 +360,7 @@ def test_pinned_staging_stays_within_budget_over_50_saves(disk_dir, monkeypatch,
     total = sum(t.numel() * 4 for t in big + small)
     if policy == "overlap":  # one batch of staging copies (each rounded up to a power of two) + the small ones
         budget = 2 * max(batch, largest) + small_pinned
-    else:  # the arena (registered, of its own size: fp_core.pinned_host) + the small ones
+    else:  # the arena (registered, of its own size: fp_core.io.pinned_host) + the small ones
         budget = total + 4096 * (len(big) + len(small) + 2) + small_pinned
     budget += 4 * MiB
     paths = [os.path.join(disk_dir, f"{policy}{i}.pt") for i in (0, 1)]
@@ -400,7 +400,7 @@ def test_pinned_arena_is_registered_at_its_own_size_and_copies_asynchronously():
     """A snapshot arena for device tensors is page-locked memory of the size asked for
     (not torch's pinned allocator, which rounds 48 MiB + 1 page up to 64 MiB and keeps it
     cached), copies from the device into it are asynchronous, and dropping it releases it."""
-    from fp_core.arena import Arena
+    from fp_core.io.arena import Arena
 
     nbytes = 48 * MiB + 4096
     before = _pinned_stats()
@@ -419,7 +419,7 @@ def test_pinned_arena_is_registered_at_its_own_size_and_copies_asynchronously():
     addr = arena.buf.data_ptr()
     del arena
     gc.collect()
-    with open("/proc/self/maps") as f:  # unregistered, then unmapped (fp_core.pinned_host)
+    with open("/proc/self/maps") as f:  # unregistered, then unmapped (fp_core.io.pinned_host)
         spans = [[int(x, 16) for x in line.split()[0].split("-")] for line in f]
     assert not any(lo <= addr < hi for lo, hi in spans), "the arena's pages are still mapped after it was dropped"
     torch.cuda.synchronize()
@@ -453,7 +453,7 @@ def _extent(t: torch.Tensor) -> StorageExtent:
 
 
 def test_replica_sample_sees_the_last_bytes_of_a_device_tensor():
-    from fp_core.distributed import _sample_crc
+    from fp_core.parallel.distributed import _sample_crc
 
     n = 4 * MiB
     a = torch.zeros(n, dtype=torch.uint8, device="cuda")

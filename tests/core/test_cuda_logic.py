@@ -29,13 +29,13 @@ import torch
 from conftest import assert_identical, assert_no_temps
 
 import fp_core
-import fp_core.arena
-import fp_core.local
-import fp_core.pinned_host
-import fp_core.pipeline
-import fp_core.writer
-from fp_core.engine import EngineOptions, open_engine
-from fp_core.plan import StorageExtent, build, byte_view
+import fp_core.io.arena
+import fp_core.io.pinned_host
+import fp_core.io.writer
+import fp_core.pipeline.checkpointer
+import fp_core.saving.local
+from fp_core.format.plan import StorageExtent, build, byte_view
+from fp_core.io.engine import EngineOptions, open_engine
 
 # ====================================================================== the dtype matrix
 
@@ -195,7 +195,7 @@ class _FakeEvent:
 def fake_cuda(monkeypatch):
     """torch.cuda's stream API replaced by loggers (current stream per thread; this one on
     "caller"); pinned allocations recorded (and made in ordinary memory), the driver's
-    registration of a pinned arena (fp_core.pinned_host) a no-op. Yields (log, pinned
+    registration of a pinned arena (fp_core.io.pinned_host) a no-op. Yields (log, pinned
     allocation sizes)."""
     _FakeCudaTensor.log = []
     _FakeCudaTensor.devices, _FakeCudaTensor.guarded = [], []
@@ -233,8 +233,8 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "device", device)
     monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(fp_core.pinned_host, "_register", lambda addr, nbytes: None)
-    monkeypatch.setattr(fp_core.pinned_host, "_unregister", lambda addr: None)
+    monkeypatch.setattr(fp_core.io.pinned_host, "_register", lambda addr, nbytes: None)
+    monkeypatch.setattr(fp_core.io.pinned_host, "_unregister", lambda addr: None)
     yield _FakeCudaTensor.log, pinned
 
 
@@ -261,7 +261,7 @@ def test_copy_to_host_orders_device_copies_on_a_side_stream(fake_cuda):
     log, pinned = fake_cuda
     exts = [_fake_device_extent(n, v) for n, v in ((4096, 1), (5000, 2), (1, 3))]
     cpu = StorageExtent(0, 64, torch.full((64,), 9, dtype=torch.uint8), 1)
-    fp_core.writer.copy_to_host([e for e, _ in exts] + [cpu])
+    fp_core.io.writer.copy_to_host([e for e, _ in exts] + [cpu])
     _check_ordering(log)
     assert sorted(pinned) == sorted([4096, 5000, 1]), "device copies must land in pinned memory (async D2H)"
     for e, src in exts:
@@ -291,7 +291,7 @@ def test_copy_to_host_synchronises_its_copies_when_one_fails(fake_cuda, monkeypa
 
     monkeypatch.setattr(torch, "empty", failing_empty)
     with pytest.raises(RuntimeError, match="out of memory"):
-        fp_core.writer.copy_to_host([e for e, _ in exts])
+        fp_core.io.writer.copy_to_host([e for e, _ in exts])
     copy_at = next(i for i, e in enumerate(log) if e[0] == "copy")
     assert ("sync", log[copy_at][1]) in log[copy_at + 1:], log
 
@@ -304,12 +304,12 @@ def test_device_work_on_another_thread_waits_for_the_point_recorded_on_the_calle
     log, _ = fake_cuda
     ext, src = _fake_device_extent(4096, 5)
     with torch.cuda.stream(_FakeStream(name="caller_side")):
-        ready = fp_core.writer.record_ready([torch.device("cuda", 0), torch.device("cpu"), torch.device("cuda", 0)])
+        ready = fp_core.io.writer.record_ready([torch.device("cuda", 0), torch.device("cpu"), torch.device("cuda", 0)])
     assert list(ready) == [torch.device("cuda", 0)]  # one event per CUDA device, none for the CPU
 
     def worker() -> None:
-        with fp_core.writer.device_work_after(ready):
-            fp_core.writer.copy_to_host([ext])
+        with fp_core.io.writer.device_work_after(ready):
+            fp_core.io.writer.copy_to_host([ext])
 
     t = threading.Thread(target=worker)
     t.start()
@@ -325,7 +325,7 @@ def test_device_work_on_another_thread_waits_for_the_point_recorded_on_the_calle
     outer = next(a for a, b in waits if b == "caller_side")
     assert log.index(("sync", outer)) > max(i for i, e in enumerate(log) if e[0] == "copy"), log
     assert torch.equal(ext.host, src)
-    assert fp_core.writer.record_ready([torch.device("cpu")]) == {}
+    assert fp_core.io.writer.record_ready([torch.device("cpu")]) == {}
 
 
 def test_copy_to_host_into_an_arena_allocates_nothing(fake_cuda):
@@ -333,7 +333,7 @@ def test_copy_to_host_into_an_arena_allocates_nothing(fake_cuda):
     exts = [_fake_device_extent(n, v) for n, v in ((4096, 4), (777, 5))]
     arena = torch.zeros(8192, dtype=torch.uint8)
     into = [arena[:4096], arena[4096:4096 + 777]]
-    fp_core.writer.copy_to_host([e for e, _ in exts], into=into)
+    fp_core.io.writer.copy_to_host([e for e, _ in exts], into=into)
     _check_ordering(log)
     assert pinned == []
     for (e, src), buf in zip(exts, into):
@@ -346,8 +346,8 @@ def test_background_device_copies_wait_for_the_callers_stream_at_save(disk_dir, 
     later, on its own thread, must still be ordered after that stream as it was at save()."""
     log, _ = fake_cuda
     keys: set[int] = set()
-    monkeypatch.setattr(fp_core.plan, "_residue", lambda storage, alignment: 0 if storage._cdata in keys else 64)
-    real_build = fp_core.local.build
+    monkeypatch.setattr(fp_core.format.plan, "_residue", lambda storage, alignment: 0 if storage._cdata in keys else 64)
+    real_build = fp_core.saving.local.build
 
     def build_(obj, alignment=4096, congruent=False):
         plan = real_build(obj, alignment, congruent=congruent)
@@ -356,7 +356,7 @@ def test_background_device_copies_wait_for_the_callers_stream_at_save(disk_dir, 
                 s.source = s.source.as_subclass(_FakeCudaTensor)
         return plan
 
-    monkeypatch.setattr(fp_core.local, "build", build_)
+    monkeypatch.setattr(fp_core.saving.local, "build", build_)
     state = {"big": torch.randn(2 << 20), "small": torch.randn(100)}  # 8 MiB in the background, 400 B in save()
     keys |= _keys(*state.values())
     path = os.path.join(disk_dir, f"{policy}.pt")
@@ -372,8 +372,8 @@ def test_background_device_copies_wait_for_the_callers_stream_at_save(disk_dir, 
 def test_snapshot_arena_is_pinned_for_device_storages():
     dev, _ = _fake_device_extent(4096, 1)
     cpu = StorageExtent(8192, 100, torch.zeros(100, dtype=torch.uint8), 1)
-    assert fp_core.arena.arena_need([cpu])[1] is False
-    size, pin = fp_core.arena.arena_need([cpu, dev])
+    assert fp_core.io.arena.arena_need([cpu])[1] is False
+    size, pin = fp_core.io.arena.arena_need([cpu, dev])
     assert pin is True and size >= 4096 + 100
 
 
@@ -407,16 +407,16 @@ def _batch_state() -> tuple[dict, list[torch.Tensor]]:
 
 
 def test_batches_cut_device_storages_at_storage_boundaries(monkeypatch):
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", 1 << 20)
     # A state with device tensors is not plain (state_pickle): torch's pickler lays it out
     # block-aligned. Built from CPU tensors here, it must be laid out the same way.
-    monkeypatch.setattr(fp_core.plan, "PLAIN_STORAGE_ALIGNMENT", None)
+    monkeypatch.setattr(fp_core.format.plan, "PLAIN_STORAGE_ALIGNMENT", None)
     obj, dev = _batch_state()
     plan = build(obj, 4096)
-    assert fp_core.writer._batches(plan, 0, plan.tail_start) == [(0, plan.tail_start)]  # all on the CPU: one
+    assert fp_core.io.writer._batches(plan, 0, plan.tail_start) == [(0, plan.tail_start)]  # all on the CPU: one
     swapped = _swap_to_device(plan, _keys(*dev))
     assert len(swapped) == len(dev)
-    cuts = fp_core.writer._batches(plan, 0, plan.tail_start)
+    cuts = fp_core.io.writer._batches(plan, 0, plan.tail_start)
     assert cuts[0][0] == 0 and cuts[-1][1] == plan.tail_start
     assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))  # contiguous
     starts = {s.offset for s in plan.storages}
@@ -424,7 +424,7 @@ def test_batches_cut_device_storages_at_storage_boundaries(monkeypatch):
     largest = max(s.length for s in swapped)
     for lo, hi in cuts:
         inside = [s for s in swapped if lo <= s.offset < hi]
-        assert sum(s.length for s in inside) <= max(fp_core.writer.DEVICE_BATCH_BYTES, largest)
+        assert sum(s.length for s in inside) <= max(fp_core.io.writer.DEVICE_BATCH_BYTES, largest)
         assert all(s.end <= hi or hi == plan.tail_start for s in inside)
     assert len(cuts) >= 3
 
@@ -436,14 +436,14 @@ def device_layout(monkeypatch):
     a large CPU tensor (a small one may land anywhere 64-byte aligned: fixed here, so that
     the layout does not depend on where this run's allocations happened to fall)."""
     keys: set[int] = set()
-    monkeypatch.setattr(fp_core.plan, "_residue", lambda storage, alignment: 0 if storage._cdata in keys else 64)
+    monkeypatch.setattr(fp_core.format.plan, "_residue", lambda storage, alignment: 0 if storage._cdata in keys else 64)
     return keys
 
 
 def test_batch_cuts_are_block_aligned_in_a_congruent_plan_with_cpu_storages(monkeypatch, device_layout):
     """What a CUDA model with torch's Adam checkpoints: device weights and moments, and a CPU
     ``step`` scalar per parameter, laid out by AsyncCheckpointer (``congruent=True``)."""
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", 1 << 20)
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=g) for n in (300_000, 1000, 300_000, 1000)]  # 1.2 MB > a batch
     state = {i: {"step": torch.tensor(float(i + 1)), "exp_avg": torch.randn(p.numel(), generator=g),
@@ -454,22 +454,22 @@ def test_batch_cuts_are_block_aligned_in_a_congruent_plan_with_cpu_storages(monk
     plan = build(obj, 4096, congruent=True)
     _swap_to_device(plan, _keys(*device))
     assert all(s.offset % 4096 == 64 for s in plan.storages if s.length == 4), "the CPU scalars sit at +64"
-    cuts = fp_core.writer._batches(plan, 0, plan.tail_start)
+    cuts = fp_core.io.writer._batches(plan, 0, plan.tail_start)
     assert len(cuts) > 1
     assert all(lo % 4096 == 0 for lo, _ in cuts), f"unaligned batch starts: {[lo for lo, _ in cuts if lo % 4096]}"
 
 
 def test_batch_cuts_are_block_aligned_in_a_safetensors_plan(monkeypatch):
     """save_pretrained of a model on the GPU: a safetensors plan of device tensors."""
-    from fp_core.safetensors_plan import build_safetensors
+    from fp_core.format.safetensors_plan import build_safetensors
 
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", 1 << 20)
     g = torch.Generator().manual_seed(0)
     tensors = {f"layer{i}.weight": torch.randn(n, generator=g) for i, n in enumerate((300_001, 250_003, 333_333, 7))}
     plan = build_safetensors(tensors, 4096)
     for s in plan.storages:
         s.source = _meta(s.length)
-    cuts = fp_core.writer._batches(plan, 0, plan.tail_start)
+    cuts = fp_core.io.writer._batches(plan, 0, plan.tail_start)
     assert len(cuts) > 1
     assert all(lo % 4096 == 0 for lo, _ in cuts), f"unaligned batch starts: {[lo for lo, _ in cuts if lo % 4096]}"
 
@@ -509,11 +509,11 @@ class _Staging:
 
 
 def test_write_single_holds_one_batch_of_device_staging_at_a_time(disk_dir, monkeypatch):
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)
-    monkeypatch.setattr(fp_core.plan, "PLAIN_STORAGE_ALIGNMENT", None)  # laid out as a device state is
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(fp_core.format.plan, "PLAIN_STORAGE_ALIGNMENT", None)  # laid out as a device state is
     st = _Staging()
-    monkeypatch.setattr(fp_core.writer, "copy_to_host", st.copy_to_host)
-    monkeypatch.setattr(fp_core.writer, "_release", st.release)
+    monkeypatch.setattr(fp_core.io.writer, "copy_to_host", st.copy_to_host)
+    monkeypatch.setattr(fp_core.io.writer, "_release", st.release)
     obj, dev = _batch_state()
     expected = copy.deepcopy(obj)
     plan = build(obj, 4096)
@@ -522,12 +522,12 @@ def test_write_single_holds_one_batch_of_device_staging_at_a_time(disk_dir, monk
     options = EngineOptions()
     fenced_at: list[int] = []
     with open_engine(path, options, create=True) as engine:
-        fp_core.writer.write_single(engine, plan, options, on_body_written=lambda: fenced_at.append(len(st.events)))
+        fp_core.io.writer.write_single(engine, plan, options, on_body_written=lambda: fenced_at.append(len(st.events)))
         engine.sync()
     assert fenced_at == [len(st.events)], "a device storage was staged after the fence's callback"
     assert st.held == 0, "staging copies not released"
     largest = max(s.length for s in swapped)
-    assert 0 < st.peak <= max(fp_core.writer.DEVICE_BATCH_BYTES, largest)
+    assert 0 < st.peak <= max(fp_core.io.writer.DEVICE_BATCH_BYTES, largest)
     assert {n for _, n, device, _ in st.events if device} == {s.length for s in swapped}
     fp_core.verify(path)
     assert_identical(expected, torch.load(path, weights_only=True))
@@ -536,12 +536,12 @@ def test_write_single_holds_one_batch_of_device_staging_at_a_time(disk_dir, monk
 def test_write_single_of_a_safetensors_plan_with_device_storages(disk_dir, monkeypatch):
     from safetensors.torch import load_file
 
-    from fp_core.safetensors_plan import build_safetensors
+    from fp_core.format.safetensors_plan import build_safetensors
 
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", 1 << 20)
     st = _Staging()
-    monkeypatch.setattr(fp_core.writer, "copy_to_host", st.copy_to_host)
-    monkeypatch.setattr(fp_core.writer, "_release", st.release)
+    monkeypatch.setattr(fp_core.io.writer, "copy_to_host", st.copy_to_host)
+    monkeypatch.setattr(fp_core.io.writer, "_release", st.release)
     g = torch.Generator().manual_seed(0)
     tensors = {f"layer{i}.weight": torch.randn(n, generator=g) for i, n in enumerate((300_001, 250_003, 333_333, 7))}
     plan = build_safetensors(tensors, 4096)
@@ -551,13 +551,13 @@ def test_write_single_of_a_safetensors_plan_with_device_storages(disk_dir, monke
     path = os.path.join(disk_dir, "m.safetensors")
     options = EngineOptions()
     with open_engine(path, options, create=True) as engine:
-        fp_core.writer.write_single(engine, plan, options)
+        fp_core.io.writer.write_single(engine, plan, options)
         engine.sync()
     assert st.held == 0
-    assert len(fp_core.writer._batches(plan, 0, plan.tail_start)) > 1  # packed tensors span batch cuts
+    assert len(fp_core.io.writer._batches(plan, 0, plan.tail_start)) > 1  # packed tensors span batch cuts
     staged = [n for _, n, device, _ in st.events if device]
     assert sorted(staged) == sorted(s.length for s in plan.storages), "a device tensor was staged twice"
-    assert st.peak <= 2 * max(fp_core.writer.DEVICE_BATCH_BYTES, max(staged))
+    assert st.peak <= 2 * max(fp_core.io.writer.DEVICE_BATCH_BYTES, max(staged))
     got = load_file(path)
     assert all(torch.equal(got[k], t) for k, t in tensors.items())
 
@@ -590,18 +590,18 @@ def emulated_device(monkeypatch):
     them, 10 ms per storage (slower than the step, so the fence has to wait for it)."""
     st = _Staging(delay=0.01)
     keys: set[int] = set()
-    real_build = fp_core.local.build
-    monkeypatch.setattr(fp_core.plan, "_residue", lambda storage, alignment: 0 if storage._cdata in keys else 64)
+    real_build = fp_core.saving.local.build
+    monkeypatch.setattr(fp_core.format.plan, "_residue", lambda storage, alignment: 0 if storage._cdata in keys else 64)
 
     def build_(obj, alignment=4096, congruent=False):
         plan = real_build(obj, alignment, congruent=congruent)
         _swap_to_device(plan, keys)
         return plan
 
-    monkeypatch.setattr(fp_core.local, "build", build_)
-    monkeypatch.setattr(fp_core.writer, "copy_to_host", st.copy_to_host)
-    monkeypatch.setattr(fp_core.pipeline, "copy_to_host", st.copy_to_host)
-    monkeypatch.setattr(fp_core.writer, "DEVICE_BATCH_BYTES", 1 << 20)
+    monkeypatch.setattr(fp_core.saving.local, "build", build_)
+    monkeypatch.setattr(fp_core.io.writer, "copy_to_host", st.copy_to_host)
+    monkeypatch.setattr(fp_core.pipeline.checkpointer, "copy_to_host", st.copy_to_host)
+    monkeypatch.setattr(fp_core.io.writer, "DEVICE_BATCH_BYTES", 1 << 20)
     st.register = lambda *ts: keys.update(_keys(*ts))  # type: ignore[attr-defined]
     return st
 
@@ -671,7 +671,7 @@ def _extent(t: torch.Tensor) -> StorageExtent:
 
 
 def test_replica_sample_sees_first_bytes_and_agrees_on_equal_storages():
-    from fp_core.distributed import _sample_crc
+    from fp_core.parallel.distributed import _sample_crc
 
     a = torch.zeros(1 << 16, dtype=torch.uint8)
     b = a.clone()
@@ -681,7 +681,7 @@ def test_replica_sample_sees_first_bytes_and_agrees_on_equal_storages():
 
 
 def test_replica_sample_sees_the_last_bytes():
-    from fp_core.distributed import _sample_crc
+    from fp_core.parallel.distributed import _sample_crc
 
     a = torch.zeros(1 << 16, dtype=torch.uint8)
     b = a.clone()
@@ -694,7 +694,7 @@ def test_device_replica_sample_reads_the_same_windows_as_the_cpu_one(n):
     """Device storages are sampled with one gather (distributed._gather, run here on the CPU):
     the same bytes, in the same order, as the native reads of a CPU storage."""
     from fp_core import _native
-    from fp_core.distributed import _gather, _sample_crc, sample_spans
+    from fp_core.parallel.distributed import _gather, _sample_crc, sample_spans
 
     t = torch.randint(0, 256, (n,), dtype=torch.uint8)
     spans = sample_spans(n)
@@ -719,9 +719,9 @@ def test_device_work_after_save_runs_on_a_side_stream_ordered_after_the_callers(
     log, _ = fake_cuda
     ext, _ = _fake_device_extent(4096, 1)
     with torch.cuda.stream(_FakeStream(name="caller_side")):
-        fp_core.writer.mark_ready([ext])  # at save(), on the caller's thread
+        fp_core.io.writer.mark_ready([ext])  # at save(), on the caller's thread
     _FakeCudaTensor.streams = _Streams()  # the writer thread: its current stream is the default
-    with fp_core.writer.device_work_after_save([ext]):
+    with fp_core.io.writer.device_work_after_save([ext]):
         inside = torch.cuda.current_stream().name
         assert _FakeCudaTensor.devices == ["cuda:0"]
         ext.source.clone().copy_(ext.source)  # device work issued in the block
@@ -732,7 +732,7 @@ def test_device_work_after_save_runs_on_a_side_stream_ordered_after_the_callers(
     # extents without a ready point (a save made on the caller's thread): nothing entered
     n = len(log)
     ext.ready = None
-    with fp_core.writer.device_work_after_save([ext]):
+    with fp_core.io.writer.device_work_after_save([ext]):
         assert torch.cuda.current_stream().name == "default"
     assert len(log) == n
 
@@ -749,7 +749,7 @@ def test_a_failing_stream_wait_does_not_hide_the_error_on_its_way_out(caplog):
         try:
             raise MemoryError("pinned allocation failed")
         finally:
-            fp_core.writer._synchronize([Sticky()])
+            fp_core.io.writer._synchronize([Sticky()])
     assert "illegal memory access" in caplog.text
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        fp_core.writer._synchronize([Sticky()])
+        fp_core.io.writer._synchronize([Sticky()])

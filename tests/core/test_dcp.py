@@ -1,5 +1,5 @@
 """Sharded checkpoints through torch.distributed.checkpoint on the native engine
-(fp_core.dcp.FastPersistWriter / FastPersistReader)."""
+(fp_core.parallel.dcp.FastPersistWriter / FastPersistReader)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from conftest import HELPERS, REPO, flip_byte, free_port, run_ranks
 
 import fp_core
-from fp_core.dcp import FastPersistReader, FastPersistWriter, staging_path
 from fp_core.errors import CorruptCheckpointError
+from fp_core.parallel.dcp import FastPersistReader, FastPersistWriter, staging_path
 
 warnings.filterwarnings("ignore", message=".*torch.distributed.*")
 
@@ -309,7 +309,7 @@ def test_a_corrupt_checkpoint_error_crosses_ranks_whole():
 def test_the_captured_state_keeps_its_containers():
     import collections
 
-    from fp_core.dcp_save import _capture, _rebuild
+    from fp_core.parallel.dcp_save import _capture, _rebuild
 
     Pair = collections.namedtuple("Pair", "a b")
     obj = {"p": Pair(torch.ones(2), 3), "d": collections.defaultdict(list, x=[torch.zeros(3)]),
@@ -413,7 +413,7 @@ def test_a_kill_between_the_commits_two_renames_is_undone_by_the_next_save(tmp_p
     """publish_dir moves the previous directory aside, then renames the new one in; killed in
     between, the name is missing and the previous checkpoint is aside. The next save puts it
     back first, so a failing next save still leaves it under its name."""
-    from fp_core.commit import REPLACED_PREFIX
+    from fp_core.saving.commit import REPLACED_PREFIX
 
     d = tmp_path / "ckpt"
     dcp.save(state(1), storage_writer=FastPersistWriter(d))
@@ -441,7 +441,7 @@ def test_a_plain_save_does_not_pay_for_the_sharded_path(tmp_path):
 def test_many_small_tensors_and_one_over_several_read_chunks_load_exactly_and_are_checked(tmp_path):
     # One scatter read fills them all: small tensors grouped a few per request, the large
     # one cut at the read chunk; verify checks each whole item, header bytes included.
-    from fp_core.read_depth import CHUNK
+    from fp_core.io.read_depth import CHUNK
 
     g = torch.Generator().manual_seed(7)
     big_n = (2 * CHUNK + 12345) // 4
@@ -473,7 +473,7 @@ def test_many_small_tensors_and_one_over_several_read_chunks_load_exactly_and_ar
 def test_targets_sharing_memory_get_the_last_item_read_not_a_mix(tmp_path):
     # Tied weights: two saved items land in one target tensor. They are read one after the
     # other, in file order, as torch's reader does, never by parallel reads at once.
-    from fp_core.read_depth import CHUNK
+    from fp_core.io.read_depth import CHUNK
 
     n = 3 * CHUNK // 4
     a, b = torch.full((n,), 1.0), torch.full((n,), 2.0)

@@ -1,4 +1,4 @@
-"""A replaced or deleted checkpoint's blocks are freed in the background (fp_core.deferred_free):
+"""A replaced or deleted checkpoint's blocks are freed in the background (fp_core.io.deferred_free):
 its name goes at once, its inode is kept by an O_PATH descriptor until the thread closes it."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from conftest import MiB, assert_identical, assert_no_temps
 
 import fp_core
-from fp_core import commit, deferred_free
+from fp_core.io import deferred_free
+from fp_core.saving import commit
 
 
 def pinned_fds(path: str, suffix: bool = False) -> list[int]:

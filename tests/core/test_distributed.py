@@ -14,7 +14,7 @@ import torch
 from conftest import HELPERS, REPO, free_port
 
 import fp_core
-from fp_core.partition import select_writers, split_range
+from fp_core.parallel.partition import select_writers, split_range
 
 WORKER = os.path.join(HELPERS, "dist_worker.py")
 sys.path.insert(0, HELPERS)

@@ -1,4 +1,4 @@
-"""A sync save writes a plain state's storages while it pickles (fp_core.early_write): the
+"""A sync save writes a plain state's storages while it pickles (fp_core.saving.early_write): the
 file is a standard torch file with the storages' records first, read the same by every
 reader, and a state that changes meanwhile, a failing pickle or a failing write lose nothing."""
 
@@ -15,8 +15,9 @@ import torch
 from conftest import assert_identical
 
 import fp_core
-from fp_core import early_write, load_into
-from fp_core import plan as plan_mod
+from fp_core import load_into
+from fp_core.format import plan as plan_mod
+from fp_core.saving import early_write
 
 MiB = 1 << 20
 
@@ -224,7 +225,7 @@ def test_the_whole_body_is_written_early_its_last_rows_built_while_the_thread_wr
     after them."""
     import time
 
-    from fp_core import writer
+    from fp_core.io import writer
 
     calls: list[tuple[int, int, bool, str]] = []  # (lo, hi, rows prepared, thread)
     real = early_write.write_range
@@ -267,7 +268,7 @@ def test_every_device_storage_the_thread_stages_was_ordered_after_the_callers_st
     been marked (on the caller's thread) to wait for the caller's stream, also where the
     plan's final extents stage it (the last block of the last storage found). Here record 1
     reads as device memory; staging copies the CPU memory behind it."""
-    from fp_core import writer
+    from fp_core.io import writer
 
     monkeypatch.setattr(plan_mod.StorageExtent, "source_on_cpu", property(lambda s: s.record != 1))
     marked: set[int] = set()
@@ -307,7 +308,7 @@ def test_no_rows_built_ahead_from_a_device_storages_staging_copy(disk_dir, early
     for the first batch and the pickle's end comes while it is written."""
     import time
 
-    from fp_core import writer
+    from fp_core.io import writer
 
     monkeypatch.setattr(plan_mod.StorageExtent, "source_on_cpu", property(lambda s: s.record != 0))
     first: list[int] = []
@@ -348,8 +349,8 @@ def test_no_rows_built_ahead_from_a_device_storages_staging_copy(disk_dir, early
 
 
 def test_rows_prepared_ahead_write_the_same_bytes(disk_dir):
-    from fp_core import engine as engine_mod
-    from fp_core import writer
+    from fp_core.io import engine as engine_mod
+    from fp_core.io import writer
 
     state = _state()
     plan = plan_mod.build(state, 4096)
@@ -460,7 +461,7 @@ def _slow_early_writes(disk_dir: str, monkeypatch, seconds: float) -> tuple[str,
     batches that take ``seconds`` each: time for an interrupt to land meanwhile."""
     import time
 
-    monkeypatch.setattr(fp_core.commit, "tmpfile_supported", lambda d: False)
+    monkeypatch.setattr(fp_core.saving.commit, "tmpfile_supported", lambda d: False)
     path = os.path.join(disk_dir, "s.pt")
     old = {"old": torch.arange(100)}
     fp_core.save(old, path)
@@ -544,7 +545,7 @@ def test_a_thread_that_cannot_start_fails_the_save_cleanly(disk_dir, early_from_
 
     # early_write's own view of the threading module (the commit's cleaner still starts threads)
     monkeypatch.setattr(early_write, "threading", types.SimpleNamespace(Thread=Unstartable, Event=threading.Event))
-    monkeypatch.setattr(fp_core.commit, "tmpfile_supported", lambda d: False)
+    monkeypatch.setattr(fp_core.saving.commit, "tmpfile_supported", lambda d: False)
     path = os.path.join(disk_dir, "s.pt")
     old = {"old": torch.arange(100)}
     fp_core.save(old, path)

@@ -1,4 +1,4 @@
-"""The overlap fence that copies only what is still unwritten (fp_core.fence_cut): the
+"""The overlap fence that copies only what is still unwritten (fp_core.pipeline.fence_cut): the
 protocol between writer and fence, and the pipeline's checkpoints with it (real files)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import MiB, assert_identical, assert_no_temps
 
 import fp_core
 from fp_core import AsyncCheckpointer, _native
-from fp_core.fence_cut import FenceCut, cut_ranges
+from fp_core.pipeline.fence_cut import FenceCut, cut_ranges
 
 
 def _state(n: int = 24, mib: int = 2) -> dict:

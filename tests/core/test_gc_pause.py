@@ -102,7 +102,7 @@ def test_a_save_written_early_on_a_thread_runs_whole_within_the_pause(disk_dir, 
     while that thread writes, up to GC_PAUSED_SAVE_BYTES; above that, only the
     serialisation is paused."""
     import fp_core.api
-    from fp_core import early_write
+    from fp_core.saving import early_write
 
     if paused_up_to is not None:
         monkeypatch.setattr(fp_core.api, "GC_PAUSED_SAVE_BYTES", paused_up_to)

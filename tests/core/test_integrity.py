@@ -209,8 +209,9 @@ def test_batched_header_and_gap_reads_match_one_by_one(tmp_path, monkeypatch):
     reading each one alone gives."""
     import numpy as np
 
-    from fp_core import _native, integrity
-    from fp_core.plan import structure_ranges
+    from fp_core import _native
+    from fp_core.format.plan import structure_ranges
+    from fp_core.loading import integrity
 
     path = str(tmp_path / "m.pt")
     fp_core.save({f"t{i}": torch.full((100 + 37 * i,), float(i)) for i in range(60)}, path)
@@ -263,7 +264,7 @@ def test_the_placeholder_of_a_killed_save_is_named_as_such(disk_dir):
 
 
 def test_an_old_empty_placeholder_and_an_empty_file_are_corrupt_not_eof(disk_dir):
-    from fp_core import commit
+    from fp_core.saving import commit
 
     old = os.path.join(disk_dir, "old.ckpt")  # the placeholder format before it carried a marker
     open(old, "wb").close()

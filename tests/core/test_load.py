@@ -1,4 +1,4 @@
-"""fp_core.load's whole-file read (fp_core.file_image) and fp_core.load_into, on real files."""
+"""fp_core.load's whole-file read (fp_core.loading.file_image) and fp_core.load_into, on real files."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from conftest import assert_identical
 
 import fp_core
-from fp_core import file_image
 from fp_core.errors import CorruptCheckpointError, NotAFastPersistCheckpoint
+from fp_core.loading import file_image
 
 
 def _state():
@@ -111,7 +111,7 @@ def test_mmap_verify_names_a_damaged_tensor(disk_dir):
 
 def test_mmap_of_a_file_truncated_after_it_was_opened_is_corrupt_not_a_crash(disk_dir):
     """The pages past a file's new end are an EFAULT of the populate call, never a SIGBUS."""
-    from fp_core.integrity import CheckpointFile
+    from fp_core.loading.integrity import CheckpointFile
 
     path = os.path.join(disk_dir, "m.pt")
     fp_core.save({"a": torch.ones(12 << 20, dtype=torch.uint8)}, path)
@@ -304,7 +304,7 @@ def test_load_into_verify_checks_the_zip_structure_beside_the_reads(disk_dir, mo
     pickle is still checked before it is unpickled."""
     import threading
 
-    from fp_core import integrity, load_in_place
+    from fp_core.loading import integrity, load_in_place
 
     m, _ = _model_state(0)
     path = os.path.join(disk_dir, "ckpt.pt")
@@ -359,7 +359,7 @@ def test_load_into_verify_checks_the_local_headers_beside_the_reads(disk_dir, mo
     import struct
     import threading
 
-    from fp_core import load_in_place
+    from fp_core.loading import load_in_place
 
     m, _ = _model_state(0)
     path = os.path.join(disk_dir, "ckpt.pt")
@@ -389,7 +389,7 @@ def test_unchecked_load_into_takes_offsets_from_a_manifest_whose_checksum_holds(
     not: either way the bytes torch.load reads."""
     import struct
 
-    from fp_core import integrity
+    from fp_core.loading import integrity
 
     m, _ = _model_state(0)
     path = os.path.join(disk_dir, "ckpt.pt")
@@ -450,7 +450,7 @@ def test_the_structure_check_stops_between_reads_when_asked(disk_dir):
     it ends after the read in progress, not after the whole structure."""
     import threading
 
-    from fp_core import integrity
+    from fp_core.loading import integrity
 
     m, _ = _model_state(0)
     path = os.path.join(disk_dir, "ckpt.pt")
@@ -468,7 +468,7 @@ def test_beside_waits_for_its_thread_and_hands_over_its_error():
     import threading
     import time
 
-    from fp_core.thread_wait import Beside
+    from fp_core.io.thread_wait import Beside
 
     assert Beside(lambda stop: None, "never-started").error() is None  # nothing to wait for
     seen: list[bool] = []
@@ -532,7 +532,7 @@ def test_fault_ahead_stop_interrupted_by_ctrl_c_waits_until_its_thread_is_off_th
     import time
     import types
 
-    from fp_core import file_image
+    from fp_core.loading import file_image
 
     spans: list[tuple[float, float]] = []
 
@@ -582,9 +582,9 @@ def _rewrite_manifest(path: str, mutate) -> None:
     import json
 
     from fp_core import _native
-    from fp_core.integrity import CheckpointFile
-    from fp_core.manifest import RECORD_SUFFIX
-    from fp_core.plan import structure_crc
+    from fp_core.format.manifest import RECORD_SUFFIX
+    from fp_core.format.plan import structure_crc
+    from fp_core.loading.integrity import CheckpointFile
 
     with zipfile.ZipFile(path) as z:
         mi = next(i for i in z.infolist() if i.filename.endswith("/" + RECORD_SUFFIX))
@@ -638,7 +638,7 @@ def test_a_manifest_that_points_into_a_header_is_not_believed(disk_dir):
 def test_only_the_pickle_and_the_byte_order_are_kept_in_memory(disk_dir):
     """Records other than storages are checked; only the two a load reads are kept (a
     crafted manifest calling every storage a record must not bring the file into memory)."""
-    from fp_core.integrity import CheckpointFile, read_manifest, read_small_records
+    from fp_core.loading.integrity import CheckpointFile, read_manifest, read_small_records
 
     path = os.path.join(disk_dir, "c.pt")
     fp_core.save({"a": torch.arange(16.0)}, path)
@@ -654,8 +654,8 @@ def test_a_zip_whose_first_entry_is_in_no_folder_is_refused_as_torch_refuses_it(
     import json
 
     from fp_core import _native
-    from fp_core.integrity import CheckpointFile
-    from fp_core.manifest import RECORD_SUFFIX, TAIL_COMMENT_PREFIX
+    from fp_core.format.manifest import RECORD_SUFFIX, TAIL_COMMENT_PREFIX
+    from fp_core.loading.integrity import CheckpointFile
 
     src, path = os.path.join(disk_dir, "src.pt"), os.path.join(disk_dir, "c.pt")
     fp_core.save({"a": torch.arange(8.0)}, src)

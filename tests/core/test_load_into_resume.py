@@ -11,8 +11,8 @@ import torch
 from conftest import assert_identical
 
 import fp_core
-from fp_core import loader
 from fp_core.errors import NotAFastPersistCheckpoint
+from fp_core.loading import loader
 
 LIVE_LR = 0.1  # set on the live optimizer after the save: a resume must not keep it
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import random
 
-from fp_core.manifest import FORMAT, Manifest, RecordInfo
+from fp_core.format.manifest import FORMAT, Manifest, RecordInfo
 
 NAMES = ["archive/data/0", "layer.0.weight", 'quote"back\\slash', "tab\tnew\nline\x00\x1f", "ünïcødé 名前",
          "emoji 🚀", "lone \ud800 surrogate", "", "/", "a" * 300, "100% %s %08x %%"]

@@ -43,7 +43,7 @@ def test_storage_freed_under_an_overlap_write_waits_and_never_crashes(disk_dir, 
 
 
 def test_resize_guard_is_on_only_while_a_write_reads_live_memory(disk_dir):
-    from fp_core import memory_guard
+    from fp_core.pipeline.checkpointer import memory_guard
 
     t = torch.ones(4 << 20)
     assert "resize_" not in torch.UntypedStorage.__dict__
@@ -62,8 +62,8 @@ def test_a_resize_the_guard_cannot_see_fails_the_save_instead_of_storing_it(disk
     """A storage reallocated in C++ (an op resizing its out= tensor) bypasses the Python guard:
     the save that read it must fail, not publish what it read."""
     from fp_core.errors import CheckpointError
-    from fp_core.pipeline import _LiveMemory
-    from fp_core.plan import build
+    from fp_core.format.plan import build
+    from fp_core.pipeline.checkpointer import _LiveMemory
 
     t = torch.ones(2 << 20)
     plan = build({"t": t})

@@ -1,4 +1,4 @@
-"""Page-locked arenas of the size asked for (fp_core.pinned_host), checked without a GPU.
+"""Page-locked arenas of the size asked for (fp_core.io.pinned_host), checked without a GPU.
 
 The CUDA driver's registration is the one part that needs a device (tests/core/test_cuda.py
 runs it on one); here it is replaced by a recorder, and what is ours is checked for real:
@@ -17,10 +17,10 @@ import torch
 from conftest import MiB, assert_identical
 
 import fp_core
-import fp_core.arena
-import fp_core.pipeline
-from fp_core import pinned_host
-from fp_core.arena import ARENA_ALIGN, Arena
+import fp_core.io.arena
+import fp_core.pipeline.checkpointer
+from fp_core.io import pinned_host
+from fp_core.io.arena import ARENA_ALIGN, Arena
 
 
 def _mapped(addr: int) -> bool:
@@ -110,8 +110,8 @@ def test_snapshot_saves_through_pinned_arenas_release_them_all(monkeypatch, disk
     device state's would be: pinned), the files hold the state at each save, and once the
     checkpointer is closed every arena it registered is unregistered."""
     drv = Driver(monkeypatch)
-    need = fp_core.pipeline.arena_need
-    monkeypatch.setattr(fp_core.pipeline, "arena_need", lambda extents: (need(extents)[0], True))
+    need = fp_core.pipeline.checkpointer.arena_need
+    monkeypatch.setattr(fp_core.pipeline.checkpointer, "arena_need", lambda extents: (need(extents)[0], True))
     state = {"a": torch.randn(6 * MiB // 4), "b": torch.randn(3 * MiB // 4), "step": torch.tensor(0)}
     want = []
     with fp_core.AsyncCheckpointer(policy="snapshot", max_in_flight=2) as ckpt:

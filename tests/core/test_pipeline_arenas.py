@@ -68,16 +68,16 @@ def test_each_file_of_a_checkpoint_gets_a_warm_arena_of_its_size(disk_dir, monke
     (max_in_flight above 1): the first checkpoint asks an arena warm-up for each, and from
     the second on each file snapshots into a warm arena of its size, none faulted in inside
     save() (the model taking the optimizer's arena left the optimizer a fresh one there)."""
-    import fp_core.pipeline
+    import fp_core.pipeline.checkpointer
 
     made: list[tuple[str, int]] = []
-    real = fp_core.pipeline.Arena
+    real = fp_core.pipeline.checkpointer.Arena
 
     def arena(nbytes, pin, huge=False):
         made.append((threading.current_thread().name, nbytes))
         return real(nbytes, pin, huge=huge)
 
-    monkeypatch.setattr(fp_core.pipeline, "Arena", arena)
+    monkeypatch.setattr(fp_core.pipeline.checkpointer, "Arena", arena)
     model = {"w": torch.randn(4 * MiB // 4), "b": torch.randn(6 * MiB // 4)}
     optim = {"m": torch.randn(8 * MiB // 4), "v": torch.randn(12 * MiB // 4)}
     stats = []
@@ -147,7 +147,7 @@ def test_auto_with_a_save_queued_behind_another(disk_dir, copies_rest):
 
 def test_auto_stays_on_overlap_when_no_arena_can_be_had(disk_dir, monkeypatch, caplog):
     """No memory for an arena: one warning, the saves go on with overlap, no retries."""
-    import fp_core.pipeline as pipeline
+    import fp_core.pipeline.checkpointer as pipeline
 
     tries = []
 
@@ -173,8 +173,8 @@ def test_auto_stays_on_overlap_when_no_arena_can_be_had(disk_dir, monkeypatch, c
 def test_a_copy_alone_keeps_the_checksums_an_extent_had(disk_dir):
     """stage_cpu(checksum=False), the fence's copy: the bytes are copied and each extent
     keeps the checksums it had (those taken inside save(), or none: the writer's then)."""
-    from fp_core.plan import StorageExtent
-    from fp_core.writer import stage_cpu
+    from fp_core.format.plan import StorageExtent
+    from fp_core.io.writer import stage_cpu
 
     src = torch.randn(3 * MiB // 4)
     dst = torch.zeros_like(src)

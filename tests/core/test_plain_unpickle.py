@@ -1,4 +1,4 @@
-"""The plain-pickle fast path of the loaders (fp_core.plain_unpickle): what it reads equals
+"""The plain-pickle fast path of the loaders (fp_core.format.plain_unpickle): what it reads equals
 what torch.load reads, and anything it does not know goes to torch's own unpickler."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fp_core
-from fp_core import plain_unpickle
+from fp_core.format import plain_unpickle
 
 
 def _zip_reader(path):
@@ -177,7 +177,7 @@ def test_load_into_reads_a_plain_file_without_torch_unpickler(tmp_path, monkeypa
     state = _plain_state()
     path = str(tmp_path / "s.pt")
     fp_core.save(state, path)
-    from fp_core import file_image
+    from fp_core.loading import file_image
 
     def no_torch(*a, **k):
         raise AssertionError("torch's unpickler was used")
@@ -296,8 +296,8 @@ def test_structure_describes_each_tensor_as_torch_load_builds_it(tmp_path, write
     """load_into's structure: a SavedTensor per tensor, with torch.load's dtype, shape,
     strides, storage offset and contiguity, its storage's bytes at its offset in the file,
     and one offset for tensors of one storage."""
-    from fp_core.file_image import storage_entries
-    from fp_core.integrity import CheckpointFile
+    from fp_core.loading.file_image import storage_entries
+    from fp_core.loading.integrity import CheckpointFile
 
     state = _plain_state()
     path = str(tmp_path / "s.pt")

@@ -17,7 +17,8 @@ import torch
 from conftest import HELPERS, assert_no_temps, free_port
 
 import fp_core
-from fp_core import AsyncCheckpointer, AsyncCheckpointError, memory_image
+from fp_core import AsyncCheckpointer, AsyncCheckpointError
+from fp_core.io import memory_image
 
 sys.path.insert(0, HELPERS)
 from process_writer_victim import check, wait_gone  # noqa: E402
@@ -229,7 +230,7 @@ def test_a_restart_listing_checkpoints_at_once_waits_for_the_directory_an_orphan
     restart that lists the checkpoints at once (get_last_checkpoint), then removes staging
     directories of crashed runs, first waits for that writer (wait_for_writers): it finds
     checkpoint-2, and no staging directory is taken from under the writer."""
-    from fp_core import commit
+    from fp_core.saving import commit
 
     r = subprocess.run([sys.executable, os.path.join(HELPERS, "dir_commit_victim.py"), disk_dir, "256"],
                        capture_output=True, text=True, timeout=120)
@@ -458,7 +459,7 @@ def test_the_images_command_lists_kept_images_and_frees_only_those_of_runs_gone(
 def test_a_failure_before_the_hand_over_does_not_stall_later_saves(disk_dir, shm_root, monkeypatch):
     """An arena that cannot be had on the writer thread (cpu_work_at_save=False) fails that
     save; its sequence number is skipped, so the next saves are not held up behind it."""
-    from fp_core.process_writer import WriterProcess
+    from fp_core.pipeline.process_writer import WriterProcess
 
     real = WriterProcess.take_arena
     calls = {"n": 0}

@@ -14,7 +14,8 @@ import torch
 from conftest import HELPERS
 
 import fp_core
-from fp_core import AsyncCheckpointer, memory_image
+from fp_core import AsyncCheckpointer
+from fp_core.io import memory_image
 
 sys.path.insert(0, HELPERS)
 from process_writer_victim import wait_gone  # noqa: E402

@@ -14,7 +14,8 @@ import torch
 from conftest import HELPERS, assert_identical
 
 import fp_core
-from fp_core import commit, remote
+from fp_core import remote
+from fp_core.saving import commit
 
 sys.path.insert(0, HELPERS)
 
@@ -289,7 +290,7 @@ def test_rename_filesystem_uses_temp_then_move(mem, tmp_path, staging, monkeypat
 def test_a_replaced_cached_copy_is_freed_in_the_background(staging):
     """keep_local: saving the same URL again replaces its cached copy; the old copy's
     blocks are freed off the caller's path, as a replaced local checkpoint's are."""
-    from fp_core import deferred_free
+    from fp_core.io import deferred_free
 
     url = f"memory://fp-cache-{uuid.uuid4().hex[:8]}/last.pt"
     big = {"w": torch.full((6 << 20,), 1.0)}  # 24 MiB: above deferred_free.MIN_BYTES

@@ -11,7 +11,7 @@ import torch
 from conftest import HELPERS, rank_results
 
 import fp_core
-from fp_core.partition import split_extents
+from fp_core.parallel.partition import split_extents
 
 sys.path.insert(0, HELPERS)
 from sharded_file_worker import full_state  # noqa: E402
@@ -163,7 +163,7 @@ def test_replicas_that_differ_and_states_that_differ(disk_dir):
 
 @pytest.mark.parametrize("shape", [(6,), (5, 7), (4, 3, 5), (2, 1, 3, 4), (3, 0, 2)])
 def test_shard_segments_tile_the_local_shard_in_the_full_bytes(shape):
-    from fp_core.sharded_file import shard_segments
+    from fp_core.format.shard_layout import shard_segments
 
     g = torch.Generator().manual_seed(len(shape))
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.int32).reshape(shape)

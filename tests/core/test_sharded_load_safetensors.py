@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 import fp_core
 from fp_core.errors import CorruptCheckpointError, NotAFastPersistCheckpoint
-from fp_core.sharded_load import LoadIntoStats
+from fp_core.loading.sharded_load import LoadIntoStats
 
 sys.path.insert(0, HELPERS)
 from sharded_load_hostile import fence_intact, fenced  # noqa: E402

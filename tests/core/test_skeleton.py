@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 
-from fp_core.skeleton import SparseFile
+from fp_core.format.skeleton import SparseFile
 
 
 def test_sparse_file_matches_a_real_buffer_under_random_writes():
@@ -88,7 +88,7 @@ def _varied_state() -> dict:
 def test_fast_tensor_reduction_writes_torchs_bytes_exactly():
     import warnings
 
-    from fp_core.skeleton import capture
+    from fp_core.format.skeleton import capture
 
     obj = _varied_state()
     with warnings.catch_warnings():
@@ -107,7 +107,7 @@ def test_fast_tensor_reduction_takes_only_plain_cpu_tensors():
 
     import torch
 
-    from fp_core.skeleton import fast_tensor_reduce
+    from fp_core.format.skeleton import fast_tensor_reduce
 
     state = _varied_state()
     sd = state["state_dict"]

@@ -11,9 +11,9 @@ import pickle
 import pytest
 import torch
 
-from fp_core import state_pickle
-from fp_core.plan import tensor_names
-from fp_core.skeleton import capture, torch_capture
+from fp_core.format import state_pickle
+from fp_core.format.plan import tensor_names
+from fp_core.format.skeleton import capture, torch_capture
 
 
 def _torch_pickle(obj) -> bytes:
@@ -190,7 +190,7 @@ def test_the_pickle_loads_with_weights_only(tmp_path):
 
 def test_a_plain_state_is_packed_on_torchs_alignment_and_loads_every_way(tmp_path):
     import fp_core
-    from fp_core.plan import PLAIN_STORAGE_ALIGNMENT, build
+    from fp_core.format.plan import PLAIN_STORAGE_ALIGNMENT, build
 
     torch.manual_seed(1)
     state = {f"layer{i}.{k}": torch.randn(n) for i in range(300) for k, n in (("w", 37), ("b", 5))}

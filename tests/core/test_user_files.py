@@ -21,7 +21,7 @@ import torch
 from conftest import HELPERS, REPO
 
 import fp_core
-from fp_core import commit
+from fp_core.saving import commit
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="mknod, chown and setuid need root")

@@ -1,4 +1,4 @@
-"""fp_core.ziptail: reading torch's central directory and appending the manifest record."""
+"""fp_core.format.ziptail: reading torch's central directory and appending the manifest record."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import zipfile
 
 import pytest
 
-from fp_core import ziptail
-from fp_core.skeleton import SparseFile
+from fp_core.format import ziptail
+from fp_core.format.skeleton import SparseFile
 
 
 def _zip_into_sparse(names_data: list[tuple[str, bytes]]) -> SparseFile:
@@ -69,7 +69,7 @@ def test_not_a_zip_is_refused():
 def _relayout_torch_skeleton(obj, residues_by_key, modulus=4096):
     import torch
 
-    from fp_core.skeleton import capture
+    from fp_core.format.skeleton import capture
 
     sf, storages = capture(obj, 4096)
     d = ziptail.read_directory(sf)

@@ -98,7 +98,7 @@ def load_dcp_dir(path: str, mib: int) -> dict:
     reader (verifying every item) and by stock DCP's; raises unless both read the same."""
     import torch.distributed.checkpoint as dcp
 
-    from fp_core.dcp import FastPersistReader
+    from fp_core.parallel.dcp import FastPersistReader
 
     got = []
     for reader in (FastPersistReader(path, verify=True), dcp.FileSystemReader(path)):
@@ -123,7 +123,7 @@ def _send(conn, *msg) -> None:
 
 
 def _durable(conn, gen: int) -> None:
-    fp_core.commit.wait_for_clean()  # leftovers of a killed run are gone by the first "D"
+    fp_core.saving.commit.wait_for_clean()  # leftovers of a killed run are gone by the first "D"
     _send(conn, "D", gen, time.monotonic())
 
 
@@ -153,7 +153,7 @@ def run(mode: str, directory: str, conn=None, mib: int = 16, policy: str = "over
                     fp_core.save(obj, path)
                 else:
                     fp_core.save(obj, path, group=group)
-                fp_core.commit.wait_for_clean()  # leftovers of a killed run are gone by the first "D"
+                fp_core.saving.commit.wait_for_clean()  # leftovers of a killed run are gone by the first "D"
                 _send(conn, "D", gen, time.monotonic())
         elif mode == "dist-dcp":
             from torch.distributed.device_mesh import init_device_mesh

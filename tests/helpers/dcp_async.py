@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import fp_core  # noqa: E402
-from fp_core.dcp import FastPersistReader  # noqa: E402
+from fp_core.parallel.dcp import FastPersistReader  # noqa: E402
 
 
 def model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -74,7 +74,7 @@ def main() -> None:
         if policy == "fail" and i == 2 and rank == 1:
             fp_core._native.inject_fault("write", errno=5, after_bytes=0)  # rank 1's write fails
         if policy == "rebuildfail" and i == 2 and rank == 1:
-            import fp_core.dcp_save as dcp_save
+            import fp_core.parallel.dcp_save as dcp_save
 
             def broken(obj):
                 raise RuntimeError("injected: this rank cannot rebuild its state")

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from fp_core.dcp import FastPersistReader, FastPersistWriter  # noqa: E402
+from fp_core.parallel.dcp import FastPersistReader, FastPersistWriter  # noqa: E402
 
 
 def model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import fp_core  # noqa: E402
-import fp_core.distributed  # noqa: E402
+import fp_core.parallel.distributed  # noqa: E402
 from fp_core import _native  # noqa: E402
 
 
@@ -68,7 +68,7 @@ def main() -> None:
         elif scenario == "sharded_replace":
             # generation 2 over generation 1 (16 MiB shards): the previous shard, kept aside
             # during the publish, is freed by deferred_free's thread, not inline
-            from fp_core import deferred_free
+            from fp_core.io import deferred_free
 
             shard = os.path.join(d, f"shard{rank}.pt")
             fp_core.save({"shard": torch.full((4 << 20,), 1.0)}, shard, group=dist.group.WORLD, sharded=True)
@@ -94,14 +94,14 @@ def main() -> None:
                          sharded=True)
             if rank == 1:
                 name = "publish" if where == "rename" else "fsync_dir"
-                orig = getattr(fp_core.commit, name)
+                orig = getattr(fp_core.saving.commit, name)
 
                 def failing(*a, **k):
                     if where == "dirsync":
                         orig(*a, **k) if name == "publish" else None
                     raise OSError(5, f"injected {where} failure", shard)
 
-                setattr(fp_core.commit, name, failing)  # a named temporary file's rename (no O_TMPFILE)
+                setattr(fp_core.saving.commit, name, failing)  # a named temporary file's rename (no O_TMPFILE)
                 if where == "rename":  # an unnamed file's link and rename: one native call
                     fp_core._native.inject_fault("rename", errno=5)
             fp_core.save({"gen": 2, "shard": torch.full((1000,), float(rank))}, shard, group=dist.group.WORLD,
@@ -135,13 +135,13 @@ def main() -> None:
         elif scenario == "kill":
             if rank == 1:
                 # die in the middle of the collective save: after planning, before writing
-                orig = fp_core.distributed.write_range
+                orig = fp_core.parallel.distributed.write_range
 
                 def dying(*a, **k):
                     os.kill(os.getpid(), signal.SIGKILL)
                     return orig(*a, **k)
 
-                fp_core.distributed.write_range = dying
+                fp_core.parallel.distributed.write_range = dying
             fp_core.save(state(), path, group=dist.group.WORLD, timeout_s=30)
         result["ok"] = True
     except BaseException as e:  # noqa: BLE001 - reported to the test

@@ -62,7 +62,7 @@ def trainer(out: str, callback: bool, on_error: str = "raise", only_model: bool 
 def inject_failure(rank: int, name: str) -> object:
     """This rank's write of the step-4 checkpoint's file ``name`` fails (its first file,
     model.safetensors, or its last, optimizer.bin, once the others are written)."""
-    from fp_core.sharded_file import ShardedFileSave
+    from fp_core.parallel.sharded_file import ShardedFileSave
 
     real = ShardedFileSave._write_share
 

@@ -50,7 +50,7 @@ from test_hf import make_trainer, tiny_bert  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import fp_core  # noqa: E402
-from fp_core import memory_image  # noqa: E402
+from fp_core.io import memory_image  # noqa: E402
 
 CKPT = "checkpoint-4"
 

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 
-from fp_core import memory_image  # noqa: E402
+from fp_core.io import memory_image  # noqa: E402
 from fp_integrations.lightning import FastPersistIO  # noqa: E402
 
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from rank_report import join, reported  # noqa: E402
 
 import fp_core  # noqa: E402
-import fp_core.distributed  # noqa: E402
+import fp_core.parallel.distributed  # noqa: E402
 from fp_core import _native  # noqa: E402
 
 
@@ -155,7 +155,7 @@ def main() -> None:
             state["epoch"] = rank  # the pickles differ: no file can be agreed on
             try:
                 fp_core.save(state, os.path.join(d, "other.pt"), layout="file")
-            except fp_core.distributed.CollectiveSaveError as e:
+            except fp_core.parallel.distributed.CollectiveSaveError as e:
                 result["mismatch_error"] = str(e)
         elif scenario == "timing":
             mesh = init_device_mesh("cpu", (world,))

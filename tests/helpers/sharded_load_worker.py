@@ -28,7 +28,7 @@ from rank_report import reported  # noqa: E402
 from sharded_file_worker import REPLICATED, full_state, local_bytes, sharded_state  # noqa: E402
 
 import fp_core  # noqa: E402
-from fp_core.sharded_load import LoadIntoStats  # noqa: E402
+from fp_core.loading.sharded_load import LoadIntoStats  # noqa: E402
 
 
 def zeroed(full: dict) -> dict:

@@ -18,7 +18,7 @@ from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import fp_core  # noqa: E402
-from fp_core.dcp import FastPersistReader  # noqa: E402
+from fp_core.parallel.dcp import FastPersistReader  # noqa: E402
 from fp_integrations.lightning import FastPersistIO  # noqa: E402
 
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import fp_core  # noqa: E402
-from fp_core import memory_image  # noqa: E402
+from fp_core.io import memory_image  # noqa: E402
 
 KILL_AFTER = 3
 

@@ -37,8 +37,8 @@ from transformers import (  # noqa: E402
 )
 from transformers.trainer_utils import get_last_checkpoint  # noqa: E402
 
-from fp_core.checkpoint_dir import DIR_MANIFEST, read_dir_manifest  # noqa: E402
-from fp_core.pipeline import AsyncCheckpointer  # noqa: E402
+from fp_core.loading.checkpoint_dir import DIR_MANIFEST, read_dir_manifest  # noqa: E402
+from fp_core.pipeline.checkpointer import AsyncCheckpointer  # noqa: E402
 from fp_integrations._policy import FastPersistWarning  # noqa: E402
 from fp_integrations.hf import STAGING_PREFIX, FastPersistCallback, intercept_safetensors_writes  # noqa: E402
 

@@ -46,7 +46,7 @@ def test_resume_refuses_a_damaged_shard(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     import fp_core
-    from fp_core.dcp import FastPersistWriter
+    from fp_core.parallel.dcp import FastPersistWriter
     from fp_integrations.hf import FSDP_MODEL_DIR, verify_checkpoint_dir
 
     ckpt = tmp_path / "checkpoint-2"

@@ -477,7 +477,7 @@ def test_a_plugin_freed_in_the_middle_of_a_step_does_not_break_it():
     from torch.optim.optimizer import _global_optimizer_pre_hooks, register_optimizer_step_pre_hook
 
     gc.collect()
-    fp_core.optim_hooks.flush()  # earlier tests' plugins: freed and out of the dict
+    fp_core.pipeline.optim_hooks.flush()  # earlier tests' plugins: freed and out of the dict
     base = len(_global_optimizer_pre_hooks)
     io = FastPersistIO()
     io._install_hook()
@@ -496,7 +496,7 @@ def test_a_plugin_freed_in_the_middle_of_a_step_does_not_break_it():
     finally:
         collect.remove()
         last.remove()
-    fp_core.optim_hooks.flush()  # a safe point: the freed plugin's hook leaves
+    fp_core.pipeline.optim_hooks.flush()  # a safe point: the freed plugin's hook leaves
     assert len(_global_optimizer_pre_hooks) == base
 
 

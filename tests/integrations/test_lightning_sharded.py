@@ -15,7 +15,7 @@ import torch
 from conftest import HELPERS, free_port, run_ranks
 
 import fp_core
-from fp_core.dcp import verify_extra_files
+from fp_core.parallel.dcp import verify_extra_files
 from fp_integrations import lightning_sharded
 
 pytest.importorskip("lightning")

@@ -32,7 +32,7 @@ _SNAPSHOT_SCRIPT = r"""
 import os, sys, json, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[2])
 import fp_core, torch.distributed.checkpoint as dcp
-from fp_core.dcp import FastPersistReader
+from fp_core.parallel.dcp import FastPersistReader
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])

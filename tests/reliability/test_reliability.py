@@ -45,7 +45,7 @@ def test_crash_subset_lands_mid_save(disk_dir):
     the file being written is unnamed (O_TMPFILE), an orphan to clean where it is not. (With
     O_TMPFILE a kill in the microseconds between the link to a temporary name and the rename
     over the checkpoint's leaves the whole file there: rare, and never a partial one.)"""
-    from fp_core import commit
+    from fp_core.saving import commit
 
     rng = random.Random(7)
     T = ch.calibrate("sync", disk_dir)

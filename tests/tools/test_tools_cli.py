@@ -13,7 +13,7 @@ import torch
 from conftest import REPO
 
 import fp_core
-from fp_core.sizes import parse_size
+from fp_core.format.sizes import parse_size
 
 HEAVY = ("fp_core.tools.bench", "fp_core.tools.bench_async", "fp_core.tools.common", "matplotlib",
          "torch.distributed.checkpoint", "lightning", "safetensors")

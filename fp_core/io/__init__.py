@@ -1,0 +1,1 @@
+"""Native I/O: the engine, planned writes and checksums, staging arenas (in shared memory too), reads."""

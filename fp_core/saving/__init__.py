@@ -1,0 +1,1 @@
+"""Save jobs and commits: a local file, temporary names, the rename, retention."""
