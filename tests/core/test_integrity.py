@@ -245,7 +245,7 @@ def _placeholder_of_a_killed_save(path: str) -> None:
     import subprocess
     import sys
 
-    code = ("import os, sys; from fp_core import commit; fd = commit.claim(sys.argv[1]); "
+    code = ("import os, sys; from fp_core.saving import commit; fd = commit.claim(sys.argv[1]); "
             "os._exit(0 if fd is not None else 3)")
     rc = subprocess.run([sys.executable, "-c", code, path]).returncode
     if rc == 3:
