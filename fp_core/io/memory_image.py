@@ -211,7 +211,11 @@ def record(image: str, final: str, target: str) -> None:
     """After a commit: the arena ``image`` now holds the file ``target`` (saved as ``final``)."""
     info = {"final": final, "target": target, "identity": _identity(os.stat(target)),
             "image": os.path.basename(image)}
-    idx = index_path(image)
+    _write_index(index_path(image), info)
+
+
+def _write_index(idx: str, info: dict) -> None:
+    """Replace the record ``idx`` whole (a reader sees the old one or the new one)."""
     tmp = idx + ".tmp"
     fd = _open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
@@ -241,13 +245,7 @@ def moved(src_dir: str, dst_dir: str) -> None:
             continue
         for k in ("target", "final"):
             info[k] = os.path.join(dst_dir, os.path.basename(info[k]))
-        tmp = full + ".tmp"
-        fd = _open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            os.write(fd, json.dumps(info).encode())
-        finally:
-            os.close(fd)
-        os.replace(tmp, full)
+        _write_index(full, info)
 
 
 def _read_index(path: str) -> dict | None:

@@ -473,6 +473,10 @@ class ProcessSave:
             memory_image.clean_stale(self.writer.dir, **(
                 {"superseded_final": self.final} if self.writer.commits == 1
                 else {"superseded_dir": os.path.dirname(self.final)}))
+        return self._stats_of(msg)
+
+    def _stats_of(self, msg: tuple) -> SaveStats:
+        """The writer's report of a committed job, with what this side measured."""
         stats = SaveStats(**{k: v for k, v in msg[2].items() if k != "gbps"})
         stats.path = self.final
         stats.serialize_seconds = self.stats.serialize_seconds
@@ -586,14 +590,7 @@ class ProcessCollectiveSave(ProcessSave):
         if msg[0] == "failed":
             raise _wire_error(msg)
         self.writer.commits += 1
-        stats = SaveStats(**{k: v for k, v in msg[2].items() if k != "gbps"})
-        stats.path = self.final
-        stats.serialize_seconds = self.stats.serialize_seconds
-        stats.policy, stats.blocked_seconds = self.stats.policy, self.stats.blocked_seconds
-        stats.extra = {**self.stats.extra, **stats.extra, "writer": "process"}
-        stats.seconds = time.perf_counter() - self._t0
-        self.stats = stats
-        return stats
+        return self._stats_of(msg)
 
     def abort(self) -> None:
         if not self.handed:  # the peers' writers are waiting for this one: tell them

@@ -584,7 +584,8 @@ def test_small_shared_memory_overlap_and_a_bigger_snapshot_make_room(disk_dir, m
     assert _equal(torch.load(os.path.join(disk_dir, "b.pt")), b)
 
 
-def test_a_clean_end_of_the_restart_drops_the_image_it_resumed_from(disk_dir, shm_root):
+def _killed_after_saving_old_a(disk_dir: str) -> None:
+    """A run that saved ``old/a.pt`` with resume_from_memory, then was SIGKILLed."""
     code = ("import os, signal, sys, torch\n"
             f"sys.path.insert(0, {os.path.dirname(HELPERS)!r})\n"
             "import fp_core\n"
@@ -594,6 +595,10 @@ def test_a_clean_end_of_the_restart_drops_the_image_it_resumed_from(disk_dir, sh
     os.mkdir(os.path.join(disk_dir, "old"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+
+
+def test_a_clean_end_of_the_restart_drops_the_image_it_resumed_from(disk_dir, shm_root):
+    _killed_after_saving_old_a(disk_dir)
     assert memory_image.find(os.path.join(disk_dir, "old", "a.pt")) is not None
     with AsyncCheckpointer(writer="process", resume_from_memory=True) as ck:
         got = fp_core.load(os.path.join(disk_dir, "old", "a.pt"))
@@ -605,15 +610,7 @@ def test_a_clean_end_of_the_restart_drops_the_image_it_resumed_from(disk_dir, sh
 def test_the_image_of_a_checkpoint_rotated_away_is_dropped_by_a_later_commit(disk_dir, shm_root):
     """A restart keeps the image it resumed from while that file is there (a second crash
     resumes from it again); once the file is gone (rotated away), a commit drops it."""
-    code = ("import os, signal, sys, torch\n"
-            f"sys.path.insert(0, {os.path.dirname(HELPERS)!r})\n"
-            "import fp_core\n"
-            "ck = fp_core.AsyncCheckpointer(writer='process', resume_from_memory=True)\n"
-            f"ck.save({{'w': torch.ones(1 << 20)}}, {os.path.join(disk_dir, 'old', 'a.pt')!r}).result()\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
-    os.mkdir(os.path.join(disk_dir, "old"))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    _killed_after_saving_old_a(disk_dir)
     old = os.path.join(disk_dir, "old", "a.pt")
     with AsyncCheckpointer(writer="process", resume_from_memory=True) as ck:
         got = fp_core.load(old)
