@@ -63,7 +63,7 @@ def _count_method(cls: type, name: str, key: str, only_truthy: bool = False) -> 
     """Count calls of ``cls.name``; the callback binds these methods onto the trainer in
     ``attach``, so wrapping the class attribute before any attach counts every call.
     ``only_truthy``: count only calls that returned a true value (``_commit``: committed)."""
-    orig = cls.__dict__[name]
+    orig = getattr(cls, name)  # defined on the callback or one of its mixins (hf_resume, hf_remote)
     if getattr(orig, "_fp_counted", False):
         return
 
