@@ -173,6 +173,9 @@ def refused(d: str, world: int, result: dict) -> None:
             result["errors"][name] = f"{type(e).__name__}: {e}"
     if world == 3:
         pair = dist.new_group([0, 1])
+        # rank 0 holds the store ranks 0 and 1 still meet at inside new_group: nobody goes
+        # on (and exits) before every rank is out of it
+        dist.barrier()
         if dist.get_rank() < 2:
             try:
                 fp_core.save(state, os.path.join(d, "pair.pt"), layout="file", group=pair)
