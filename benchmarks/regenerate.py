@@ -5,6 +5,8 @@ its latest output, each output rewritten only when its run succeeds.
     .venv/bin/python benchmarks/regenerate.py --only fence-blocked   # one entry (repeatable)
     .venv/bin/python benchmarks/regenerate.py --scratch /work/bench-tmp   # all of them: hours
     .venv/bin/python benchmarks/regenerate.py --index > benchmarks/results/README.md
+    .venv/bin/python benchmarks/regenerate.py --tables            # re-render the docs' tables only
+    .venv/bin/python benchmarks/regenerate.py --tables --check    # which tables differ from results/
 
 ``--scratch`` is where the benchmarks write their checkpoints: a directory on the disk under
 test (the figures are that disk's), default /work/bench-tmp. ``--results`` writes the outputs
@@ -15,7 +17,8 @@ The A/B entries compare two commits: each is unpacked with ``git archive`` into 
 directory and its native module built there, so the comparison is the one its output shows
 and not HEAD against the past. Some entries need what the machine may lack (root, fio,
 cgroup v1 blkio, a Hugging Face model in the local cache); they fail alone and say why, and
-the rest go on.
+the rest go on. After a run, every table of docs/performance.md and README.md is rendered
+anew from the outputs (``benchmarks/tables/``), so a table never holds a hand-copied figure.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Iterable
+
+import tables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
@@ -401,7 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=[], metavar="NAME", help="run this entry (repeatable)")
     ap.add_argument("--scratch", default=DEFAULT_SCRATCH, help="a directory on the disk under test")
     ap.add_argument("--results", default=RESULTS, help="where the outputs go (default benchmarks/results)")
+    ap.add_argument("--tables", action="store_true",
+                    help="render the tables of docs/performance.md and README.md from the results, run nothing")
+    ap.add_argument("--check", action="store_true", help="with --tables: list the pages that differ, write nothing")
     a = ap.parse_args(argv)
+    if a.check and not a.tables:
+        ap.error("--check goes with --tables")
+    if a.tables:
+        return render_tables(os.path.abspath(a.results), check=a.check)
     names = by_name()
     unknown = [n for n in a.only if n not in names]
     if unknown:
@@ -421,7 +433,22 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(e.name)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    if a.results == RESULTS and len(failed) < len(chosen):
+        failed += ["tables"] if render_tables(os.path.abspath(a.results)) else []
     return 1 if failed else 0
+
+
+def render_tables(results: str, check: bool = False) -> int:
+    """Re-render the docs' tables from ``results``; 1 (saying why) when a results file lacks
+    what a table needs, or with ``check`` when a page differs."""
+    try:
+        changed = tables.update_pages(results, check=check)
+    except tables.TableError as e:
+        print(f"tables: {e}; no page changed", file=sys.stderr)
+        return 1
+    for page in changed:
+        print(f"{page}: {'differs from' if check else 'tables rendered from'} {results}")
+    return 1 if check and changed else 0
 
 
 if __name__ == "__main__":

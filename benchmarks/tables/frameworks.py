@@ -1,0 +1,3 @@
+"""Tables of docs/performance.md: TODO."""
+
+from __future__ import annotations
