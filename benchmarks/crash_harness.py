@@ -24,7 +24,7 @@ directory: it must verify and load whole onto one process, through FastPersist's
 stock DCP's alike; a staging directory left is
 counted, and a directory a kill left aside mid-commit is put back as the next save would,
 and counted). Core children are forked from a forkserver that has torch/fp_core imported (so a
-trial costs the saves, not a 2.5 s interpreter start). Lightning and HF rows run real
+trial costs the saves, not an interpreter start). Lightning and HF rows run real
 subprocesses.
 
 Faults and corruption: see :func:`fault_rows` and :func:`corruption_rows`.

@@ -1,5 +1,5 @@
 """What a disk write alone costs a CPU-bound training step on this machine, measured
-with fio (an independent writer: its own buffer, no checksums, no Python, ~2% of a core),
+with fio (an independent writer: its own buffer, no checksums, no Python, little CPU),
 and with the native engine writing from 4 KiB pages and from 2 MiB (transparent huge)
 pages, alternated (``--pages``): the measurement behind AsyncCheckpointer(huge_pages=True).
 
@@ -107,7 +107,7 @@ def pages(tr: Trainer, args: argparse.Namespace, workdir: str) -> None:
     path = os.path.join(workdir, "engine.dat")
     with _native.Engine(path, backend="auto", create=True) as eng:
         eng.write([(0, bufs["4 KiB"][1].data_ptr(), nbytes)], 0, nbytes, checksum=False, zero_copy=True)
-    median_step(tr, 2)  # filling 2 GiB just now left the next steps slow (first rep read -25%)
+    median_step(tr, 2)  # filling 2 GiB just now leaves the next steps slow: settle first
     print("\nnative engine rewriting 1 GiB in a loop (O_DIRECT, zero-copy), source pages alternated")
     print(f"{'rep':>3}  {'pages':>5}  {'quiet step s':>12}  {'with writes s':>13}  {'slowdown':>8}  {'MB/s':>6}  {'s lost per GB':>13}")
     lost: dict[str, list[float]] = {k: [] for k in bufs}

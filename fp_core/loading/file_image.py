@@ -12,7 +12,7 @@ copied; loaded CPU tensors share one allocation the size of the file, as those o
 
 The unpickling waits for the whole read: torch's zip reader reads a local header per
 storage, and those small reads, made from the descriptor while the large reads stream,
-cost more than they would overlap (measured; from memory they cost nothing). The checks
+cost more than they would overlap (from memory they cost nothing). The checks
 (the manifest against the zip's headers, the structure) read memory too.
 """
 

@@ -1117,9 +1117,9 @@ class AsyncCheckpointer:
                 return None
             pool = self._save_pool()
             # Copies (small tensors; every large one under snapshot) go into one reusable
-            # arena, copied and checksummed in one pass, in parallel (a copy alone is faster
-            # here, but its checksums then run on the writer, beside a training that owns
-            # every core: steps measured slower); device ones get their slot now and are
+            # arena, copied and checksummed in one pass, in parallel (a copy alone is faster,
+            # but its checksums then run on the writer, beside a training that owns every
+            # core, and slow its steps); device ones get their slot now and are
             # copied in the background.
             copied = small_cpu + (big if policy == "snapshot" else [])
             if copied:

@@ -108,8 +108,8 @@ class EarlyWrite:
         self._thread = thread  # only once started: stop() joins it
         self._offer()
         # Let go of the GIL until the thread has its first batch: woken while this thread
-        # pickles, it waited 10-110 ms for the GIL (5 ms switch interval or not) with the
-        # disk idle. Bounded: a thread that never takes it costs the pickling no more.
+        # pickles, it can wait many switch intervals for the GIL with the disk idle.
+        # Bounded: a thread that never takes it costs the pickling no more.
         if self._offered:  # else nothing was queued (less than a block laid out)
             self._taken.wait(HANDOVER_S)
 

@@ -167,7 +167,7 @@ def calibrate_batch(tr: Trainer, target_ms: float, tolerance: float = 0.05, trie
     """Batch size whose step takes about target_ms: a linear fit of two small batches
     (``start``), then secant steps through measurements at the predicted batch until one
     lands within ``tolerance`` (step time is not linear in the batch from 8 up to
-    thousands: the fit alone missed by up to 70%, one refit still by 15%). ``max_batch``
+    thousands, so the fit alone, or one refit, can miss by far). ``max_batch``
     caps every guess (device memory); a GPU needs larger probes than 8 and 64, whose steps
     only measure kernel launches."""
 
@@ -513,8 +513,8 @@ def run_async(args: argparse.Namespace, log: Callable[[str], None]) -> int:
         log(f"write alone: fp_core.save {writes['fastpersist_save']:.2f} s, "
             f"torch.save+fsync {writes['torch_save']:.2f} s")
     # Every mode runs between two no-checkpoint runs and is measured against their mean:
-    # this VM's step time drifts by up to 20% over the minutes of a round, and a baseline
-    # taken only at the start (or the ends) of the round lands that drift on the modes.
+    # a VM's step time drifts over the minutes of a round, and a baseline taken only at
+    # the start (or the ends) of the round lands that drift on the modes.
     rounds = max(1, getattr(args, "rounds", 1))
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     base_for: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}

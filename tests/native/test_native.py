@@ -836,7 +836,7 @@ BIG = 2**63 - 1  # the largest file offset
 @pytest.mark.parametrize("direct", [True, False])
 def test_reader_refuses_offset_plus_length_overflow(tmp_path, direct):
     """Offsets and lengths come from parsed checkpoint files: off + len past 2**63 - 1 is a
-    ValueError (it used to be signed overflow, wrapping to a negative end under -fwrapv)."""
+    ValueError, never a signed overflow (which wraps to a negative end under -fwrapv)."""
     path, data = random_file(tmp_path / "o.bin", 10000, seed=41)
     out = np.zeros(8192, dtype=np.uint8)
     with _native.Reader(str(path), direct=direct) as r:
