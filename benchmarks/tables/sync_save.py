@@ -7,6 +7,7 @@ import re
 from . import Results, TableError, row, table
 
 BENCH_4G = "bench-4GiB.txt"
+DISK_FIO = "disk-fio.txt"
 SYNC_THP_AB = "bench-sync-2GiB-thp-ab.txt"
 LOAD_THP_AB = "bench-load-2GiB-thp-ab.txt"
 BENCH_SMALL = "bench-small.txt"
@@ -74,6 +75,49 @@ def _mib(size: str) -> str:
     """A size the scripts print in MiB, as the page writes it: GiB from 1 GiB on."""
     mib = float(size)
     return f"{mib / 1024:.0f} GiB" if mib >= 1024 else f"{size} MiB"
+
+
+# disk-fio: (fio's job name, the page's label for it)
+FIO_JOBS = (
+    ("seqwrite", "sequential write, 4 MiB, QD32, O_DIRECT, io_uring, 4 GiB"),
+    ("seqread", "sequential read, 4 MiB, QD32, O_DIRECT, io_uring, 4 GiB"),
+    ("lat", "random read 4 KiB, QD1, O_DIRECT"),
+)
+_FIO_RATE = {"kB": 1e-6, "MB": 1e-3, "GB": 1.0}
+_FIO_US = {"nsec": 1e-3, "usec": 1.0, "msec": 1e3}
+
+
+def _fio_gbs(part: Results, job: str) -> str:
+    """The job's bandwidth from fio's "Run status group" line, in decimal GB/s."""
+    m = part.match(DISK_FIO, r"^\s*(?:READ|WRITE): bw=\S+ \((\d+(?:\.\d+)?)(kB|MB|GB)/s\)", f"bandwidth of job {job!r}")
+    return f"{float(m.group(1)) * _FIO_RATE[m.group(2)]:.2f} GB/s"
+
+
+def _fio_latency(part: Results, job: str) -> str:
+    """The job's IOPS as fio prints them (a count gets thousands separators) and its median
+    completion latency, the typical one: the mean carries the disk's rare stalls."""
+    iops = _cell(part, DISK_FIO, r"^\s*read: IOPS=(\d+(?:\.\d+)?k?),", f"IOPS of job {job!r}")
+    unit = _cell(part, DISK_FIO, r"^\s*clat percentiles \((\w+)\):", f"latency percentiles of job {job!r}")
+    if unit not in _FIO_US:
+        raise part.error(DISK_FIO, f"latency percentiles of job {job!r} in nsec, usec or msec")
+    # the first of fio's fixed list of percentiles from the 50th on
+    pcts = [(float(p), float(v)) for p, v in re.findall(r"(\d+\.\d+)th=\[\s*(\d+)\]", part.text(DISK_FIO))]
+    median = next((v for p, v in pcts if p >= 50), None)
+    if median is None:
+        raise part.error(DISK_FIO, f"50th latency percentile of job {job!r}")
+    count = iops if iops.endswith("k") else f"{int(iops):,}"
+    return f"{count} IOPS, ~{median * _FIO_US[unit]:.0f} us typical"
+
+
+@table("disk-fio", DISK_FIO)
+def disk_fio(r: Results) -> list[str]:
+    out = [row("fio job", "result"), "|---|---|"]
+    parts = {m.group(1): part for m, part in _parts(r, DISK_FIO, r"^# fio --name=(\w+)", "'# fio --name=' line")}
+    for job, label in FIO_JOBS:
+        if job not in parts:
+            raise r.error(DISK_FIO, f"run of fio job {job!r}")
+        out.append(row(label, _fio_latency(parts[job], job) if job == "lat" else _fio_gbs(parts[job], job)))
+    return out
 
 
 # huge-pages: (page label, results file, the row's line in each run, the page's command cell)
