@@ -96,7 +96,7 @@ def _fio_gbs(part: Results, job: str) -> str:
 def _fio_latency(part: Results, job: str) -> str:
     """The job's IOPS as fio prints them (a count gets thousands separators) and its median
     completion latency, the typical one: the mean carries the disk's rare stalls."""
-    iops = _cell(part, DISK_FIO, r"^\s*read: IOPS=(\d+(?:\.\d+)?k?),", f"IOPS of job {job!r}")
+    iops = _cell(part, DISK_FIO, r"^\s*read: IOPS=(\d+(?:\.\d+)?[kM]|\d+),", f"IOPS of job {job!r}")
     unit = _cell(part, DISK_FIO, r"^\s*clat percentiles \((\w+)\):", f"latency percentiles of job {job!r}")
     if unit not in _FIO_US:
         raise part.error(DISK_FIO, f"latency percentiles of job {job!r} in nsec, usec or msec")
@@ -105,7 +105,7 @@ def _fio_latency(part: Results, job: str) -> str:
     median = next((v for p, v in pcts if p >= 50), None)
     if median is None:
         raise part.error(DISK_FIO, f"50th latency percentile of job {job!r}")
-    count = iops if iops.endswith("k") else f"{int(iops):,}"
+    count = f"{int(iops):,}" if iops.isdigit() else iops
     return f"{count} IOPS, ~{median * _FIO_US[unit]:.0f} us typical"
 
 
