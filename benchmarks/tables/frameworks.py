@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from . import Results, row, table
@@ -106,4 +107,51 @@ def reliability(r: Results) -> list[str]:
     out.append(row(f"{g['saves']} async saves with rotation", 1,
                    f"{lost} (fds {g['fd_growth']:+d}, threads {g['thread_growth']:+d}, "
                    f"RSS {g['rss_growth_mib']:+.1f} MiB)"))
+    return out
+
+
+# ---------------------------------------------------------------- lightning-finetune
+
+LIGHTNING = "lightning-finetune.txt"
+
+# the example's mode -> the page's label, bold
+LIGHTNING_ROWS = (
+    ("stock", "stock TorchCheckpointIO", False),
+    ("async", "Lightning AsyncCheckpointIO", False),
+    ("fastpersist", "FastPersistIO", True),
+)
+_LIGHTNING_ROW = (r"^(?P<key>stock|async|fastpersist)\s+\d+\s+(?P<stall>[\d.]+ ms)\s+[\d.]+ ms\s+(?:[\d.]+ ms|-)\s+"
+                  r"(?P<wall>[\d.]+ s)\s+[\d.]+ MiB\s+(?P<ratio>[\d.]+|inf)x\s*$")
+
+
+def _lightning_run(r: Results, large: bool) -> dict[str, re.Match[str]]:
+    """mode -> its row in the latest run of examples/lightning_finetune.py with (``large``) or
+    without ``--large``. A run starts at its command line, ``$ CMD`` as typed or ``# CMD``
+    as regenerate.py heads it; the latest run comes first."""
+    head = r"^[#$] \S*python\S* examples/lightning_finetune\.py\b.*$"
+    what = "run with --large" if large else "run without --large"
+    starts = list(re.finditer(head, r.text(LIGHTNING), re.M))
+    for i, start in enumerate(starts):
+        if ("--large" in start.group(0)) != large:
+            continue
+        end = starts[i + 1].start() if i + 1 < len(starts) else len(r.text(LIGHTNING))
+        found: dict[str, re.Match[str]] = {}
+        for m in re.finditer(_LIGHTNING_ROW, r.text(LIGHTNING)[start.end():end], re.M):
+            found.setdefault(m.group("key"), m)
+        for key, _, _ in LIGHTNING_ROWS:
+            if key not in found:
+                raise r.error(LIGHTNING, f"row {key!r} in the latest {what}")
+        return found
+    raise r.error(LIGHTNING, what)
+
+
+@table("lightning-finetune", LIGHTNING)
+def lightning_finetune(r: Results) -> list[str]:
+    small, large = _lightning_run(r, False), _lightning_run(r, True)
+    out = [row("checkpoint IO", "stall per checkpoint", "wall", "stall vs stock", "`--large`: stall per checkpoint",
+               "wall", "vs stock"), "|---|---:|---:|---:|---:|---:|---:|"]
+    for key, label, bold in LIGHTNING_ROWS:
+        a, b = small[key], large[key]
+        cells = (label, a["stall"], a["wall"], a["ratio"] + "x", b["stall"], b["wall"], b["ratio"] + "x")
+        out.append(row(*(f"**{c}**" if bold else c for c in cells)))
     return out
