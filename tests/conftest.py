@@ -47,21 +47,83 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
+# Environment variables read when torch or fp_core is imported: a test that sets one gets
+# fresh interpreters for its ranks, not forks of the forkserver that imported them before.
+_IMPORT_TIME_ENV = ("OMP_", "MKL_", "TORCH", "THP_", "CUDA", "PYTORCH", "FASTPERSIST", "PYTHON", "LD_")
+_forkserver: dict = {}
+
+
+def _rank_context():
+    """The forkserver context ranks fork from (torch, torch.distributed and fp_core imported
+    once per session), or None when this environment differs from the one it started with
+    in a variable read at import time."""
+    import multiprocessing as mp
+
+    env = {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+    if not _forkserver:
+        if HELPERS not in sys.path:
+            sys.path.insert(0, HELPERS)  # the forkserver imports forked_script from there
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "fp_core", "forked_script"])
+        _forkserver.update(ctx=ctx, env=env)
+    return _forkserver["ctx"] if env == _forkserver["env"] else None
+
+
+def _start_rank(argv: list[str], logs: str, rank: int):
+    """Start ``python argv...`` as a fork of the forkserver (see :func:`_rank_context`) or,
+    where that cannot stand in for a fresh interpreter, as one. Returns (wait(timeout) ->
+    exit status or None, kill(), stderr())."""
+    out, err = os.path.join(logs, f"rank{rank}.out"), os.path.join(logs, f"rank{rank}.err")
+
+    def stderr() -> str:
+        with open(err, errors="replace") as f:
+            return f.read()
+
+    ctx = _rank_context()
+    if ctx is None:
+        with open(out, "wb") as o, open(err, "wb") as e:
+            p = subprocess.Popen([sys.executable, *argv], stdout=o, stderr=e)
+
+        def wait(timeout: float):
+            try:
+                return p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+
+        return wait, p.kill, stderr
+    import forked_script
+
+    fork = ctx.Process(target=forked_script.run, args=(argv[0], argv[1:], dict(os.environ), os.getcwd(), out, err))
+    fork.start()
+
+    def wait_fork(timeout: float):
+        fork.join(timeout)
+        return fork.exitcode
+
+    return wait_fork, fork.kill, stderr
+
+
 def run_ranks(script: str, tmp_path, *args: str, world: int = 2, timeout: float = 300) -> dict:
     """Run ``tests/helpers/<script> RANK WORLD PORT DIR *args`` as ``world`` processes (a
-    hung one is killed after ``timeout``); return the DIR/result.json rank 0 wrote."""
+    hung one is killed after ``timeout``); return the DIR/result.json rank 0 wrote. The ranks
+    are forks of a forkserver with torch imported (the interpreter start is most of a small
+    rank's time); each behaves as ``python SCRIPT ...`` would."""
+    import tempfile
+    import time
+
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, os.path.join(HELPERS, script), str(r), str(world), port,
-                               str(tmp_path), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:  # a hung rank must not outlive the test
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    with tempfile.TemporaryDirectory(prefix="fp-ranks-") as logs:
+        ranks = [_start_rank([os.path.join(HELPERS, script), str(r), str(world), port, str(tmp_path), *args],
+                             logs, r) for r in range(world)]
+        deadline = time.monotonic() + timeout
+        try:
+            codes = [wait(max(0.0, deadline - time.monotonic())) for wait, _, _ in ranks]
+        finally:
+            for wait, kill, _ in ranks:  # a hung rank must not outlive the test
+                if wait(0) is None:
+                    kill()
+                    wait(30)
+        assert codes == [0] * world, (codes, [stderr()[-3000:] for _, _, stderr in ranks])
     with open(os.path.join(str(tmp_path), "result.json")) as f:
         return json.load(f)
 
