@@ -276,6 +276,19 @@ ENTRIES: tuple[Entry, ...] = (
           ("python benchmarks/process_writer_collective_kills.py --trials 20 --dir {scratch} "
            "--out {out:process-writer-collective-kills.json}",),
           None, RELIABILITY),
+    Entry("disk-fio", "The raw disk, measured by an independent tool: fio's sequential write and read "
+          "(4 MiB, QD32, O_DIRECT, io_uring) and 4 KiB random reads at QD1", (
+              "fio --name=seqwrite --filename={scratch}/fio.dat --rw=write --bs=4M --iodepth=32 --direct=1 "
+              "--ioengine=io_uring --size=4G --end_fsync=1",
+              "fio --name=seqread  --filename={scratch}/fio.dat --rw=read  --bs=4M --iodepth=32 --direct=1 "
+              "--ioengine=io_uring --size=4G",
+              "fio --name=lat --filename={scratch}/fio.dat --rw=randread --bs=4k --iodepth=1 --direct=1 "
+              "--ioengine=psync --size=1G --runtime=3 --time_based && rm -f {scratch}/fio.dat"),
+          "disk-fio.txt", _sec("The machine and how to read the figures")),
+    Entry("lightning-finetune", "The Lightning example: the stall per checkpoint and fit's wall time, stock "
+          "TorchCheckpointIO against AsyncCheckpointIO and FastPersistIO, default and --large",
+          ("python examples/lightning_finetune.py", "python examples/lightning_finetune.py --large --steps 4"),
+          "lightning-finetune.txt", _sec("Lightning, MiniLM fine-tune")),
 )
 
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import re
 from collections.abc import Callable, Iterable
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGES = ("docs/performance.md", "README.md")
@@ -73,6 +75,13 @@ class Results:
                 return f.read()
         except OSError as e:
             raise TableError(f"table {self.table}: cannot read {path}: {e.strerror or e}") from None
+
+    def json(self, name: str) -> Any:
+        """File ``name`` parsed as JSON; TableError naming it when it is not JSON."""
+        try:
+            return json.loads(self.text(name))
+        except json.JSONDecodeError as e:
+            raise self.error(name, f"JSON ({e})") from None
 
     def lines(self, name: str) -> list[str]:
         return self.text(name).splitlines()
@@ -137,8 +146,13 @@ def load_renderers() -> dict[str, Table]:
 
 
 def row(*cells: object) -> str:
-    """One Markdown table row."""
-    return "| " + " | ".join(str(c) for c in cells) + " |"
+    """One Markdown table row; an empty cell is written ``| |``, as the pages write it."""
+    return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
+
+
+def bold(text: object, on: bool = True) -> str:
+    """``text`` in bold where ``on`` (the page's marking of FastPersist's rows)."""
+    return f"**{text}**" if on else str(text)
 
 
 def render(name: str, results_dir: str) -> list[str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from . import Results, table
+from . import Results, bold, row, table
 
 BENCH_ASYNC = "bench-async.txt"
 BENCH_ASYNC_2S = "bench-async-2s-12rounds.txt"
@@ -19,15 +19,6 @@ DASH = "—"
 # The columns ``fastpersist bench --async`` prints, in the order it prints them (the
 # right-aligned table's header).
 ASYNC_COLUMNS = ("step s (median)", "slowdown", "cost/ckpt s", "blocked/ckpt s", "vs torch.save")
-
-
-def _row(*cells: object) -> str:
-    """One Markdown table row; an empty cell is written ``| |``, as the pages write it."""
-    return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
-
-
-def _bold(text: str, on: bool) -> str:
-    return f"**{text}**" if on else text
 
 
 def _grid(r: Results, name: str, columns: tuple[str, ...]) -> dict[str, dict[str, str]]:
@@ -120,10 +111,10 @@ def _share_of_torch(cell: str) -> str:
 def async_every_iteration(r: Results) -> list[str]:
     grid = _grid(r, BENCH_ASYNC, ASYNC_COLUMNS)
     beyond = _section(r, BENCH_ASYNC, "slowdown beyond the disk floor")
-    out = [_row("mode", "step (s, median)", "slowdown", "cost per checkpoint", "beyond the disk floor",
+    out = [row("mode", "step (s, median)", "slowdown", "cost per checkpoint", "beyond the disk floor",
                 "blocked per checkpoint", "vs torch.save's"),
            "|---|---:|---:|---:|---:|---:|---:|"]
-    for i, (key, floor_key, label, checkpoints, bold) in enumerate(EVERY_ITERATION_ROWS):
+    for i, (key, floor_key, label, checkpoints, strong) in enumerate(EVERY_ITERATION_ROWS):
         c = _cells(r, BENCH_ASYNC, grid, key)
         reference = i == 0  # the step every slowdown is measured against
         if floor_key is None:
@@ -140,7 +131,7 @@ def async_every_iteration(r: Results) -> list[str]:
                  points,
                  _seconds(c["blocked/ckpt s"]) if checkpoints else DASH,
                  _share_of_torch(c["vs torch.save"]))
-        out.append(_row(label, *(_bold(x, bold) for x in cells)))
+        out.append(row(label, *(bold(x, strong) for x in cells)))
     return out
 
 
@@ -170,7 +161,7 @@ def _own_options(r: Results, name: str) -> str:
 
 @table("async-floor", *FLOOR_RUNS)
 def async_floor(r: Results) -> list[str]:
-    out = [_row("steps", "rounds", "floor", *(policy for policy, _ in FLOOR_POLICIES), "output"),
+    out = [row("steps", "rounds", "floor", *(policy for policy, _ in FLOOR_POLICIES), "output"),
            "|---|---:|---:|---:|---:|---:|---|"]
     for name in FLOOR_RUNS:
         step = r.match(name, r"^compute per iteration \(no checkpoint\): (\d+(?:\.\d+)?) s",
@@ -184,7 +175,7 @@ def async_floor(r: Results) -> list[str]:
             ci = r.match(name, rf"^\s*\[(?:PASS|FAIL)\] {policy}: slowdown <= .*?CI ([+-]\d+(?:\.\d+)?)"
                                rf"\.\.([+-]\d+(?:\.\d+)?)%", f"'[PASS|FAIL] {policy}: slowdown ...' target with a CI")
             cells.append(f"{slowdown} ({ci.group(1)}..{ci.group(2)})")
-        out.append(_row(f"{step} s (`{_own_options(r, name)}`)", rounds, *cells,
+        out.append(row(f"{step} s (`{_own_options(r, name)}`)", rounds, *cells,
                         f"[{calibrated} s](../benchmarks/results/{name})"))
     return out
 
@@ -226,15 +217,15 @@ def fence_blocked(r: Results) -> list[str]:
         asked = f" (--sizes {sizes.group(1)})" if sizes else ""
         got = ", ".join(f"{mb}MB" for mb in states) or "none"
         raise r.error(FENCE_BLOCKED, f"rows for {wanted} states{asked}, only for {got}")
-    out = [_row("state", *(label for _, label, _ in FENCE_MODES)),
+    out = [row("state", *(label for _, label, _ in FENCE_MODES)),
            "|---:|---:|---:|---:|---:|"]
     for mb, modes in states.items():
         cells = []
-        for key, _, bold in FENCE_MODES:
+        for key, _, strong in FENCE_MODES:
             if key not in modes:
                 raise r.error(FENCE_BLOCKED, f"row {key!r} for the state {mb}MB")
-            cells.append(_bold(modes[key], bold))
-        out.append(_row(_state_label(mb), *cells))
+            cells.append(bold(modes[key], strong))
+        out.append(row(_state_label(mb), *cells))
     return out
 
 
@@ -248,10 +239,10 @@ RESUME_COLUMNS = (("memory image (verify)", "memory image (every byte checked)",
 @table("resume-from-memory", RESUME_FROM_MEMORY)
 def resume_from_memory(r: Results) -> list[str]:
     grid = _grid(r, RESUME_FROM_MEMORY, ("s", "GB/s"))
-    out = [_row("", *(label for _, label, _ in RESUME_COLUMNS)),
+    out = [row("", *(label for _, label, _ in RESUME_COLUMNS)),
            "|---|---:|---:|---:|"]
     for fn in ("load", "load_into"):
-        cells = [_bold(f"{_cells(r, RESUME_FROM_MEMORY, grid, f'{fn}, {key}')['s']} s", bold)
-                 for key, _, bold in RESUME_COLUMNS]
-        out.append(_row(f"`fp_core.{fn}`", *cells))
+        cells = [bold(f"{_cells(r, RESUME_FROM_MEMORY, grid, f'{fn}, {key}')['s']} s", strong)
+                 for key, _, strong in RESUME_COLUMNS]
+        out.append(row(f"`fp_core.{fn}`", *cells))
     return out

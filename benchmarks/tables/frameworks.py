@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
-from . import Results, row, table
+from . import Results, bold, row, table
 
 HARNESS = "reliability-harness.json"
 HARNESS_DCP = "reliability-harness-dcp.json"
@@ -16,13 +15,6 @@ SOAK = "reliability-soak.json"
 
 
 # ---------------------------------------------------------------- reliability
-
-def _json(r: Results, name: str) -> Any:
-    try:
-        return json.loads(r.text(name))
-    except json.JSONDecodeError as e:
-        raise r.error(name, f"JSON ({e})") from None
-
 
 def _get(r: Results, name: str, obj: Any, *keys: str | int) -> Any:
     """``obj[k0][k1]...``; TableError naming the file and the path of keys that is missing."""
@@ -36,7 +28,7 @@ def _get(r: Results, name: str, obj: Any, *keys: str | int) -> Any:
 
 def _crash(r: Results, name: str, mode: str) -> dict[str, Any]:
     """The crash harness's entry for ``mode`` in file ``name``."""
-    for entry in _get(r, name, _json(r, name), "crash"):
+    for entry in _get(r, name, r.json(name), "crash"):
         if isinstance(entry, dict) and entry.get("mode") == mode:
             return entry
     raise r.error(name, f"crash entry of mode {mode!r}")
@@ -73,14 +65,14 @@ def reliability(r: Results) -> list[str]:
                    *_crash_cells(r, HARNESS_FILE, ("dist-file",))))
 
     # a save past its fence is lost when generation 2 is not what the file holds afterwards
-    kills = _get(r, PROCESS_KILLS, _json(r, PROCESS_KILLS), "summary", "process after-fence")
+    kills = _get(r, PROCESS_KILLS, r.json(PROCESS_KILLS), "summary", "process after-fence")
     k_trials = _get(r, PROCESS_KILLS, kills, "trials")
     out.append(row('SIGKILL of a trainer right after its fence, `writer="process"`', k_trials,
                    k_trials - _get(r, PROCESS_KILLS, kills, "committed")))
 
     # a fault loses data when the previous checkpoint is no longer intact ("n/a" where there
     # was none, or the user removed it)
-    harness = _json(r, HARNESS)
+    harness = r.json(HARNESS)
     faults = _get(r, HARNESS, harness, "faults")
     if not faults:
         raise r.error(HARNESS, "fault entries")
@@ -95,11 +87,13 @@ def reliability(r: Results) -> list[str]:
     missed = sum(1 for i in range(len(damage)) if _get(r, HARNESS, damage, i, "cli_exit") == 0
                  or not _get(r, HARNESS, damage, i, "load_exception"))
     named = sum(1 for i in range(len(damage)) if _get(r, HARNESS, damage, i, "names_record_or_tensor") is True)
-    said = "damaged tensor named" if named == len(damage) else f"damaged tensor named in {named} of {len(damage)}"
+    # a file cut short has no tensor to name: its error names the torn zip structure
+    said = "damaged tensor named" if named == len(damage) else \
+        f"the damaged tensor named in {named}, the torn zip structure in {len(damage) - named}"
     out.append(row("flipped bit, zeroed block, truncated file", len(damage),
                    f"{missed} (detected, {said})" if not missed else f"{missed} (not detected)"))
 
-    soak = _json(r, SOAK)
+    soak = r.json(SOAK)
     g = {k: _get(r, SOAK, soak, k) for k in ("saves", "fd_growth", "thread_growth", "rss_growth_mib", "newest_ok",
                                            "problems")}
     # the soak is one run: it lost data when its newest checkpoint is not whole or a check failed
@@ -150,8 +144,8 @@ def lightning_finetune(r: Results) -> list[str]:
     small, large = _lightning_run(r, False), _lightning_run(r, True)
     out = [row("checkpoint IO", "stall per checkpoint", "wall", "stall vs stock", "`--large`: stall per checkpoint",
                "wall", "vs stock"), "|---|---:|---:|---:|---:|---:|---:|"]
-    for key, label, bold in LIGHTNING_ROWS:
+    for key, label, strong in LIGHTNING_ROWS:
         a, b = small[key], large[key]
         cells = (label, a["stall"], a["wall"], a["ratio"] + "x", b["stall"], b["wall"], b["ratio"] + "x")
-        out.append(row(*(f"**{c}**" if bold else c for c in cells)))
+        out.append(row(*(bold(c, strong) for c in cells)))
     return out

@@ -5,20 +5,11 @@ from __future__ import annotations
 
 import re
 
-from . import Results, row, table
+from . import Results, bold, row, table
 
 BENCH_LOAD_2G = "bench-load-2GiB.txt"
 LOAD_MAPPED = "load-mapped-4GiB.txt"
 RESUME_COST = "resume-cost-2GiB.txt"
-
-
-def _row(*cells: object) -> str:
-    """One Markdown table row; an empty cell is written ``| |``, as the pages write it."""
-    return "|" + "|".join(f" {c} " if str(c) else " " for c in cells) + "|"
-
-
-def _bold(text: str, on: bool) -> str:
-    return f"**{text}**" if on else text
 
 
 def _labelled(r: Results, name: str, first: str) -> dict[str, dict[str, str]]:
@@ -68,11 +59,11 @@ LOAD_ROWS = (
 def load_2gib(r: Results) -> list[str]:
     out = [row("Load (cold page cache)", "GB/s", "vs device", "vs 4 KiB pages"), "|---|---:|---:|---:|"]
     rows = dict(r.aligned(BENCH_LOAD_2G, "Load (cold page cache)"))
-    for key, label, bold in LOAD_ROWS:
+    for key, label, strong in LOAD_ROWS:
         if key not in rows:
             raise r.error(BENCH_LOAD_2G, f"row {key!r} under 'Load (cold page cache)'")
         cells = [rows[key][c] for c in ("GB/s", "vs load_device", "vs load_device_4k")]
-        out.append(row(label, *(_bold(c, b) for c, b in zip(cells, bold))))
+        out.append(row(label, *(bold(c, b) for c, b in zip(cells, strong))))
     return out
 
 
@@ -114,7 +105,7 @@ RESUME_ROWS = (
 def resume_first_write(r: Results) -> list[str]:
     out = [row("2 GiB, 2412 tensors", "load", "load + first write"), "|---|---:|---:|"]
     rows = _labelled(r, RESUME_COST, "row")
-    for label, load, written, bold in RESUME_ROWS:
+    for label, load, written, strong in RESUME_ROWS:
         load_cell = f"{_get(r, RESUME_COST, rows, load, 's')} s" if load else ""
-        out.append(_row(label, load_cell, _bold(f"{_get(r, RESUME_COST, rows, written, 's')} s", bold)))
+        out.append(row(label, load_cell, bold(f"{_get(r, RESUME_COST, rows, written, 's')} s", strong)))
     return out

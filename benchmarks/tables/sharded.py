@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from . import Results, row, table
+from . import Results, bold, row, table
 
 PARTITION = "partition-4GiB.txt"
 SHARDED_FILE = "sharded-file.txt"
@@ -154,10 +154,10 @@ def dcp(r: Results) -> list[str]:
                   "under 'row seconds GB/s'")
     seconds = {k: float(m.group(2)) for k, m in found.items()}
     out = [row("Row", "seconds", "GB/s", "vs stock"), "|---|---:|---:|---:|"]
-    for key, label, base, speedup, bold in DCP_ROWS:
+    for key, label, base, speedup, strong in DCP_ROWS:
         m = found[key]
         ratio = seconds[base] / seconds[key] if speedup else seconds[key] / seconds[base]
         cell = f"{ratio:.2f}x"
         # a row without a GB/s figure keeps its cell empty, written "| |" as the page does
-        out.append(row(label, m.group(2), m.group(3) or "", f"**{cell}**" if bold else cell).replace("|  |", "| |"))
+        out.append(row(label, m.group(2), m.group(3) or "", bold(cell, strong)))
     return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from . import Results, TableError, row, table
+from . import Results, TableError, bold, row, table
 
 BENCH_4G = "bench-4GiB.txt"
 DISK_FIO = "disk-fio.txt"
@@ -24,17 +24,13 @@ SAVE_ROWS = (
 )
 
 
-def _bold(text: str, on: bool) -> str:
-    return f"**{text}**" if on else text
-
-
 @table("save-4GiB", BENCH_4G)
 def save_4gib(r: Results) -> list[str]:
     out = [row("Save (durable)", "GB/s", "vs device", "vs torch.save", "peak RSS added"),
            "|---|---:|---:|---:|---:|"]
-    for key, label, bold in SAVE_ROWS:
+    for key, label, strong in SAVE_ROWS:
         c = r.row(BENCH_4G, "Save (durable)", key)
-        out.append(row(label, *(_bold(c[k], bold) for k in ("GB/s", "vs device", "vs torch", "peak RSS +"))))
+        out.append(row(label, *(bold(c[k], strong) for k in ("GB/s", "vs device", "vs torch", "peak RSS +"))))
     return out
 
 

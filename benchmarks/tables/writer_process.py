@@ -3,12 +3,11 @@ two ranks), what a writer process per trainer costs, and the step cost beside th
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
 
-from . import Results, TableError, row, table
+from . import Results, TableError, bold, row, table
 
 KILLS = "process-writer-kills.json"
 COLLECTIVE_KILLS = "process-writer-collective-kills.json"
@@ -22,15 +21,8 @@ ASYNC_PY = "process-writer-async-python-ops.txt"
 OUTCOMES = ("committed", "previous", "torn")
 
 
-def _bold(text: object, on: bool) -> str:
-    return f"**{text}**" if on else str(text)
-
-
 def _json(r: Results, name: str) -> dict[str, Any]:
-    try:
-        report = json.loads(r.text(name))
-    except json.JSONDecodeError as e:
-        raise r.error(name, f"JSON report ({e})") from None
+    report = r.json(name)
     if not isinstance(report, dict) or not isinstance(report.get("trials"), list) or not report["trials"]:
         raise r.error(name, "list of trials under 'trials'")
     return report
@@ -76,9 +68,9 @@ def writer_process_kills(r: Results) -> list[str]:
     report = _json(r, KILLS)
     out = [row("writer", "trials", "generation 2 committed", "lost (generation 1 kept)", "torn"),
            "|---|---:|---:|---:|---:|"]
-    for writer, when, label, bold in KILL_ROWS:
+    for writer, when, label, strong in KILL_ROWS:
         c = _outcomes(r, KILLS, report["trials"], writer=writer, when=when)
-        out.append(row(label, sum(c.values()), _bold(c["committed"], bold), _bold(c["previous"], bold), c["torn"]))
+        out.append(row(label, sum(c.values()), bold(c["committed"], strong), bold(c["previous"], strong), c["torn"]))
     # A kill while the snapshot is copied may come before save() hands the state to the writer:
     # generation 1 kept is then the right outcome, not a lost save, and the label says so.
     c = _outcomes(r, KILLS, report["trials"], writer="process", when="in-snapshot")
@@ -112,7 +104,7 @@ def writer_process_collective_kills(r: Results) -> list[str]:
         # each draw).
         delays = [_field(r, COLLECTIVE_KILLS, x, "delay_ms", (int, float)) for x in trials if x.get("kind") == kind]
         out.append(row(label, f"{min(delays):.1f}-{max(delays):.1f}",
-                       _bold(f"{p['committed']} / {sum(p.values())}", True),
+                       bold(f"{p['committed']} / {sum(p.values())}", True),
                        f"{t['committed']} / {sum(t.values())}", p["torn"] + t["torn"]))
     return out
 
