@@ -537,10 +537,14 @@ def remove_kept(d: str) -> list[str]:
     return removed
 
 
-def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str | None = None) -> None:
+def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str | None = None,
+                committed_before_ns: int | None = None) -> None:
     """Remove the files of owners whose trainer and writer are both gone (lock not held),
     but for committed images kept for a restart; those images too where their checkpoint
-    is ``superseded_final``, or is in ``superseded_dir`` (a newer one has been committed)."""
+    is ``superseded_final``, or is in ``superseded_dir`` (a newer one has been committed),
+    and was committed before ``committed_before_ns`` (the caller's start, by the file
+    system's clock): an image a peer of the caller's own run left (a rank killed while
+    this one lives on) is what that peer's restart resumes from, never superseded."""
     try:
         names = os.listdir(d)
     except OSError:
@@ -562,9 +566,11 @@ def clean_stale(d: str, superseded_dir: str | None = None, superseded_final: str
         if name.endswith(INDEX_SUFFIX):
             info = _read_index(full)
             image = os.path.join(d, info["image"]) if info else None
-            stale = info is None or not os.path.exists(image) or (
-                superseded_dir is not None and os.path.dirname(info["final"]) == superseded_dir) or (
-                info["final"] == superseded_final)
+            superseded = info is not None and (
+                (superseded_dir is not None and os.path.dirname(info["final"]) == superseded_dir)
+                or info["final"] == superseded_final) and (
+                committed_before_ns is None or info["identity"][4] < committed_before_ns)
+            stale = info is None or not os.path.exists(image) or superseded
             if not stale:
                 try:
                     stale = _identity(os.stat(info["target"])) != info["identity"]

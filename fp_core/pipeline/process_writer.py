@@ -69,6 +69,9 @@ class WriterProcess:
                         "every process in it, the checkpoint writer too; run it under an init (docker run --init, "
                         "tini) for a save past its fence to survive the trainer")
         self.lock = memory_image.OwnerLock(self.dir)
+        # this run's start by the shared memory file system's clock (the lock's rename): the
+        # images a clean-up may take as superseded were committed before it, by an earlier run
+        self.since_ns = os.stat(self.lock.path).st_ctime_ns
         self._seq = itertools.count()
         self._send_lock = threading.Lock()
         self._results: dict[int, tuple] = {}
@@ -284,7 +287,7 @@ class WriterProcess:
             # are in the directories it saved into, are not needed by anyone any more
             memory_image.drop_loaded()
             for d in self.dirs:
-                memory_image.clean_stale(self.dir, superseded_dir=d)
+                memory_image.clean_stale(self.dir, superseded_dir=d, committed_before_ns=self.since_ns)
         self._free.clear()
         self._retired.clear()
         self.lock.release()
@@ -470,7 +473,7 @@ class ProcessSave:
             # at the first commit those of this file, at the second those of its directory
             # (by then every rank of the restart has resumed: a rank slower to start than
             # this one's first save still finds its image).
-            memory_image.clean_stale(self.writer.dir, **(
+            memory_image.clean_stale(self.writer.dir, committed_before_ns=self.writer.since_ns, **(
                 {"superseded_final": self.final} if self.writer.commits == 1
                 else {"superseded_dir": os.path.dirname(self.final)}))
         return self._stats_of(msg)

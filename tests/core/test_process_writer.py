@@ -586,15 +586,42 @@ def test_small_shared_memory_overlap_and_a_bigger_snapshot_make_room(disk_dir, m
 
 def _killed_after_saving_old_a(disk_dir: str) -> None:
     """A run that saved ``old/a.pt`` with resume_from_memory, then was SIGKILLed."""
+    os.mkdir(os.path.join(disk_dir, "old"))
+    _killed_after_saving(os.path.join(disk_dir, "old", "a.pt"))
+
+
+def _killed_after_saving(path: str) -> None:
+    """A trainer that saved ``path`` with resume_from_memory (committed), then was SIGKILLed."""
     code = ("import os, signal, sys, torch\n"
             f"sys.path.insert(0, {os.path.dirname(HELPERS)!r})\n"
             "import fp_core\n"
             "ck = fp_core.AsyncCheckpointer(writer='process', resume_from_memory=True)\n"
-            f"ck.save({{'w': torch.ones(1 << 20)}}, {os.path.join(disk_dir, 'old', 'a.pt')!r}).result()\n"
+            f"ck.save({{'w': torch.ones(1 << 20)}}, {path!r}).result()\n"
             "os.kill(os.getpid(), signal.SIGKILL)\n")
-    os.mkdir(os.path.join(disk_dir, "old"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("end", ["second commit", "clean close"])
+def test_a_peer_killed_during_this_run_keeps_its_image_for_its_restart(disk_dir, shm_root, end):
+    """Rank 1 of this run is killed after committing its file beside rank 0's; rank 0 lives
+    on. Its second commit, which takes a killed run's images in its directory as superseded,
+    and its clean close take only an earlier run's: rank 1's image is what rank 1's restart
+    resumes from, and stays."""
+    earlier, peer = os.path.join(disk_dir, "earlier.pt"), os.path.join(disk_dir, "rank1.pt")
+    _killed_after_saving(earlier)  # a run before this one
+    with AsyncCheckpointer(writer="process", resume_from_memory=True) as ck:
+        ck.save(_state(0), os.path.join(disk_dir, "rank0.pt")).result()
+        _killed_after_saving(peer)
+        assert memory_image.find(peer) is not None and memory_image.find(earlier) is not None
+        ck.save(_state(1), os.path.join(disk_dir, "rank0.pt")).result()
+        if end == "second commit":
+            assert memory_image.find(peer) is not None and memory_image.find(earlier) is None
+    kept = {i["checkpoint"] for i in memory_image.kept_images(memory_image.directory())}
+    assert peer in kept and earlier not in kept, kept
+    hits = memory_image.hits
+    assert torch.equal(fp_core.load(peer, weights_only=True)["w"], torch.ones(1 << 20))
+    assert memory_image.hits == hits + 1  # the restart of rank 1 reads it from memory
 
 
 def test_a_clean_end_of_the_restart_drops_the_image_it_resumed_from(disk_dir, shm_root):
