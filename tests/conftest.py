@@ -49,24 +49,35 @@ def free_port() -> str:
 
 # Environment variables read when torch or fp_core is imported: a test that sets one gets
 # fresh interpreters for its ranks, not forks of the forkserver that imported them before.
-_IMPORT_TIME_ENV = ("OMP_", "MKL_", "TORCH", "THP_", "CUDA", "PYTORCH", "FASTPERSIST", "PYTHON", "LD_")
+_IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "TORCH", "THP_", "CUDA", "PYTORCH", "GLOO_", "NCCL_", "FASTPERSIST",
+                    "PYTHON", "LD_")
+
+
+def _import_time_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+
+
+# The session's own: the forkserver starts only from a test that left these alone, so that a
+# test that set one is never what every later rank inherits.
+_SESSION_ENV = _import_time_env()
 _forkserver: dict = {}
 
 
 def _rank_context():
     """The forkserver context ranks fork from (torch, torch.distributed and fp_core imported
-    once per session), or None when this environment differs from the one it started with
-    in a variable read at import time."""
+    once per session), or None when this environment differs from the session's in a
+    variable read at import time."""
     import multiprocessing as mp
 
-    env = {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+    if _import_time_env() != _SESSION_ENV:
+        return None
     if not _forkserver:
         if HELPERS not in sys.path:
             sys.path.insert(0, HELPERS)  # the forkserver imports forked_script from there
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "torch.distributed", "fp_core", "forked_script"])
-        _forkserver.update(ctx=ctx, env=env)
-    return _forkserver["ctx"] if env == _forkserver["env"] else None
+        _forkserver["ctx"] = ctx
+    return _forkserver["ctx"]
 
 
 def _start_rank(argv: list[str], logs: str, rank: int):

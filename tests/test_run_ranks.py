@@ -1,10 +1,11 @@
 """conftest.run_ranks: ranks are forks of a forkserver with torch imported, each seeing what
 ``python SCRIPT ARGS`` would (argv, the test's environment and working directory, its own
-folder first on sys.path, its exit status); a test that changes a variable read at import
-time gets fresh interpreters instead."""
+folder first on sys.path, its exit status, its exit handlers); a test that changes a
+variable read at import time gets fresh interpreters instead."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -33,3 +34,13 @@ def test_a_failing_rank_fails_the_run_with_its_status_and_stderr(tmp_path, monke
         monkeypatch.setenv("OMP_NUM_THREADS", "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2")
     with pytest.raises(AssertionError, match=r"\[0, 3\].*rank 1 fails on purpose"):
         run_ranks("rank_probe.py", tmp_path, "fail")
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_exit_handlers_run_after_the_script_and_see_an_unhandled_error(tmp_path, monkeypatch, fresh):
+    if fresh:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2")
+    with pytest.raises(AssertionError, match=r"(?s)\[0, 1\].*Traceback.*rank_probe.py.*RuntimeError: rank 1 raises on purpose"):
+        run_ranks("rank_probe.py", tmp_path, "atexit")
+    seen = [json.loads((tmp_path / f"atexit{r}.json").read_text())["last"] for r in range(2)]
+    assert seen == ["None", "RuntimeError('rank 1 raises on purpose')"], seen

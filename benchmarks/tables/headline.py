@@ -23,20 +23,38 @@ class _Rendered:
         self.header = _cells(lines[0])
         self.rows = [_cells(line) for line in lines[2:]]
 
-    def cell(self, label: str, column: str | int) -> str:
-        """The cell under ``column`` (a header name, or an index where names repeat) of the
-        row labelled ``label``, or else of the one row whose label starts with it, without
+    def cell(self, label: str, column: str) -> str:
+        """The cell under the first column named ``column`` of the row labelled ``label``, or else of the one row whose label starts with it, without
         its bold."""
         found = [c for c in self.rows if c[0] == label] or [c for c in self.rows if c[0].startswith(label)]
         if len(found) != 1:
             raise TableError(f"table {self.r.table}: table {self.name}, rendered from {self.r.directory}, has "
                              f"{len(found)} rows labelled {label!r}, not one")
-        i = column if isinstance(column, int) else self.header.index(column)
-        return found[0][i]
+        if column not in self.header or len(found[0]) != len(self.header):
+            raise TableError(f"table {self.r.table}: table {self.name}, rendered from {self.r.directory}, has no "
+                             f"column {column!r} in its row {label!r}")
+        return found[0][self.header.index(column)]
+
+    def number(self, label: str, column: str) -> float:
+        """The cell as a number (its unit after it ignored)."""
+        cell = self.cell(label, column)
+        m = re.match(r"[+-]?\d+(?:\.\d+)?", cell)
+        if m is None:
+            raise TableError(f"table {self.r.table}: table {self.name}, rendered from {self.r.directory}, holds "
+                             f"{cell!r}, not a figure, in row {label!r}, column {column!r}")
+        return float(m.group(0))
 
 
 def _cells(line: str) -> list[str]:
     return [c.strip().replace("**", "") for c in line.strip().strip("|").split("|")]
+
+
+def _large_mib(r: Results) -> float:
+    """The size of stock's checkpoint in the latest ``--large`` run of the Lightning example."""
+    m = re.search(r"([\d.]+) MiB", _lightning_run(r, True)["stock"].group(0))
+    if m is None:
+        raise r.error(LIGHTNING, "checkpoint size in stock's --large row")
+    return float(m.group(1))
 
 
 def _gib(r: Results, name: str) -> str:
@@ -52,11 +70,12 @@ def headline(r: Results) -> list[str]:
     sharded, kills = _Rendered(r, "sharded-file"), _Rendered(r, "writer-process-kills")
     tensors = r.match(BENCH_4G, r"^checkpoint: [\d.]+ GiB of tensors \((\d+) tensors\)", "tensor count").group(1)
     ckpt = r.match("bench-async.txt", r"^checkpoint ([\d.]+ GB) ", "checkpoint size line").group(1)
-    step = float(steps.cell("no checkpoint", "step (s, median)"))
-    large_mib = float(_lightning_run(r, True)["stock"].group(0).split("MiB")[0].split()[-1])
+    step = steps.number("no checkpoint", "step (s, median)")
+    large_mib = _large_mib(r)
     auto, torch_save = "AsyncCheckpointer() (`auto`)", "torch.save + fsync"
     mmap = "torch.load(mmap=True) + touch every page"
-    stalls = {k: lightning.cell(k, 4) for k in ("stock", "Lightning AsyncCheckpointIO", "FastPersistIO")}
+    stalls = {k: lightning.cell(k, "`--large`: stall per checkpoint") for k in ("stock", "Lightning AsyncCheckpointIO", "FastPersistIO")}
+    most = sharded.header[-1]  # the most ranks the sharded-file run has
     by_process, by_thread, file_layout = '`writer="process"`', '`writer="thread"`', '`layout="file"`'
     process, thread = kills.cell(by_process, "generation 2 committed"), kills.cell(by_thread, "generation 2 committed")
     return [
@@ -76,8 +95,8 @@ def headline(r: Results) -> list[str]:
         row(f"Lightning, {large_mib * 2**20 / 1e9:.2f} GB checkpoint every step (`--large`): stall per checkpoint",
             f"**{stalls['FastPersistIO']}**",
             f"stock {stalls['stock']}, `AsyncCheckpointIO` {stalls['Lightning AsyncCheckpointIO']}"),
-        row("FSDP2 state to one file, 4 ranks (`layout=\"file\"`)", f"**{sharded.cell(file_layout, '4 ranks')}**",
-            "gather to rank 0 + `torch.save` " + re.sub(r" \(.*\)$", "", sharded.cell("(a)", "4 ranks"))),
+        row(f"FSDP2 state to one file, {most} (`layout=\"file\"`)", f"**{sharded.cell(file_layout, most)}**",
+            "gather to rank 0 + `torch.save` " + re.sub(r" \(.*\)$", "", sharded.cell("(a)", most))),
         row(f"trainer SIGKILLed right after `save()` and its fence, {kills.cell(by_process, 'trials')} "
             "trials (`writer=\"process\"`)", f"**{process}** committed", f"thread writer {thread}"),
     ]

@@ -17,3 +17,13 @@ for name in [f"result{rank}.json"] + (["result.json"] if rank == 0 else []):
 if rank == 1 and "fail" in sys.argv[5:]:
     print("rank 1 fails on purpose", file=sys.stderr)
     sys.exit(3)
+if "atexit" in sys.argv[5:]:
+    import atexit
+
+    def _at_exit() -> None:  # what an exit handler sees: fp_core's drain reads sys.last_value
+        with open(os.path.join(d, f"atexit{rank}.json"), "w") as f:
+            json.dump({"last": repr(getattr(sys, "last_value", None))}, f)
+
+    atexit.register(_at_exit)
+    if rank == 1:
+        raise RuntimeError("rank 1 raises on purpose")
