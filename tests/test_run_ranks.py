@@ -12,6 +12,10 @@ import pytest
 from conftest import HELPERS, rank_results, run_ranks
 
 
+def _change_an_import_time_variable(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2")
+
+
 def test_ranks_fork_with_torch_imported_and_see_the_tests_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("FP_RANK_PROBE", "seen")
     monkeypatch.chdir(tmp_path)
@@ -23,7 +27,7 @@ def test_ranks_fork_with_torch_imported_and_see_the_tests_environment(tmp_path, 
 
 
 def test_a_variable_read_at_import_time_gets_fresh_interpreters(tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2")
+    _change_an_import_time_variable(monkeypatch)
     results = rank_results("rank_probe.py", tmp_path)
     assert all(not r["preloaded"] and r["omp"] == os.environ["OMP_NUM_THREADS"] for r in results), results
 
@@ -31,7 +35,7 @@ def test_a_variable_read_at_import_time_gets_fresh_interpreters(tmp_path, monkey
 @pytest.mark.parametrize("fresh", [False, True])
 def test_a_failing_rank_fails_the_run_with_its_status_and_stderr(tmp_path, monkeypatch, fresh):
     if fresh:
-        monkeypatch.setenv("OMP_NUM_THREADS", "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2")
+        _change_an_import_time_variable(monkeypatch)
     with pytest.raises(AssertionError, match=r"\[0, 3\].*rank 1 fails on purpose"):
         run_ranks("rank_probe.py", tmp_path, "fail")
 
@@ -39,7 +43,7 @@ def test_a_failing_rank_fails_the_run_with_its_status_and_stderr(tmp_path, monke
 @pytest.mark.parametrize("fresh", [False, True])
 def test_exit_handlers_run_after_the_script_and_see_an_unhandled_error(tmp_path, monkeypatch, fresh):
     if fresh:
-        monkeypatch.setenv("OMP_NUM_THREADS", "1" if os.environ.get("OMP_NUM_THREADS") != "1" else "2")
+        _change_an_import_time_variable(monkeypatch)
     with pytest.raises(AssertionError, match=r"(?s)\[0, 1\].*Traceback.*rank_probe.py.*RuntimeError: rank 1 raises on purpose"):
         run_ranks("rank_probe.py", tmp_path, "atexit")
     seen = [json.loads((tmp_path / f"atexit{r}.json").read_text())["last"] for r in range(2)]

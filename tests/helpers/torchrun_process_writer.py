@@ -72,6 +72,9 @@ def main(directory: str) -> None:
                 ck.fence()
                 with open(os.path.join(directory, f"writer{rank}.pid"), "w") as f:
                     f.write(str(ck._writer_proc.pid if ck._writer_proc else 0))
+                # both ranks past step 3's fence before rank 1 dies: torchrun stops rank 0 the
+                # moment rank 1 is gone, and a rank 0 still saving step 3 would resume from 2
+                dist.barrier()
                 if rank == 1:
                     os.kill(os.getpid(), signal.SIGKILL)
 
