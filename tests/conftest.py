@@ -53,14 +53,24 @@ _IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "TORCH", "THP_", "CUDA", "PYTORCH", 
                     "PYTHON", "LD_")
 
 
+# Set by importing Lightning or transformers (in a test's body too), read by nothing that
+# torch's import does here: a rank forked after them is what a fresh interpreter would be.
+_SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK")
+
+
 def _import_time_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV)}
+    return {k: v for k, v in os.environ.items() if k.startswith(_IMPORT_TIME_ENV) and k not in _SET_BY_IMPORTS}
 
 
-# The session's own: the forkserver starts only from a test that left these alone, so that a
-# test that set one is never what every later rank inherits.
-_SESSION_ENV = _import_time_env()
+# The session's own, as collection left them (importing Lightning or transformers sets some):
+# the forkserver starts only from a test that left these alone, so that a test that set one is
+# never what every later rank inherits.
+_session_env: dict[str, dict[str, str]] = {}
 _forkserver: dict = {}
+
+
+def pytest_collection_finish(session) -> None:
+    _session_env["env"] = _import_time_env()
 
 
 def _rank_context():
@@ -69,7 +79,7 @@ def _rank_context():
     variable read at import time."""
     import multiprocessing as mp
 
-    if _import_time_env() != _SESSION_ENV:
+    if _import_time_env() != _session_env.get("env"):
         return None
     if not _forkserver:
         if HELPERS not in sys.path:
