@@ -104,21 +104,30 @@ class Results:
         return found
 
 
-    def aligned(self, name: str, title: str) -> list[tuple[str, dict[str, str]]]:
-        """The rows of the right-aligned table under the line ``title`` in file ``name`` (the
-        form ``fastpersist bench`` and most scripts print): (label, {column: cell}) in order,
-        up to the first blank line. The header's names end where their cells end."""
+    def aligned(self, name: str, title: str | None = None, *,
+                header_start: str | None = None) -> list[tuple[str, dict[str, str]]]:
+        """The rows of the right-aligned table in file ``name`` (the form ``fastpersist bench``
+        and most scripts print) whose header is the line under ``title``, or else the first
+        line starting with ``header_start`` (a table printed without a title): (label,
+        {column: cell}) in order, up to the first blank line. The header's names end where
+        their cells end."""
         lines = self.lines(name)
-        try:
-            i = next(k for k, line in enumerate(lines) if line.strip() == title)
-        except StopIteration:
-            raise self.error(name, f"table titled {title!r}") from None
-        if i + 1 >= len(lines) or not lines[i + 1].strip():
-            raise self.error(name, f"header under {title!r}")
-        header = lines[i + 1]
+        if title is not None:
+            i = next((k for k, line in enumerate(lines) if line.strip() == title), None)
+            if i is None:
+                raise self.error(name, f"table titled {title!r}")
+            if i + 1 >= len(lines) or not lines[i + 1].strip():
+                raise self.error(name, f"header under {title!r}")
+            h, where = i + 1, f"under {title!r}"
+        else:
+            h = next((k for k, line in enumerate(lines) if line.lstrip().startswith(str(header_start))), None)
+            if h is None:
+                raise self.error(name, f"table with a header starting {header_start!r}")
+            where = f"under the header {header_start!r}"
+        header = lines[h]
         cols = [(m.group(0), m.end()) for m in re.finditer(r"\S+(?: \S+)*", header)]
         rows = []
-        for line in lines[i + 2:]:
+        for line in lines[h + 1:]:
             if not line.strip():
                 break
             first = line[:cols[0][1]].rstrip()
@@ -128,7 +137,7 @@ class Results:
                 cells[col] = line[prev:end].strip()
             rows.append((label.strip(), cells))
         if not rows:
-            raise self.error(name, f"rows under {title!r}")
+            raise self.error(name, f"rows {where}")
         return rows
 
     def row(self, name: str, title: str, label_start: str) -> dict[str, str]:

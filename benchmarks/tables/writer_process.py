@@ -146,24 +146,9 @@ def writer_process_cost(r: Results) -> list[str]:
 
 
 def _summary(r: Results, name: str) -> dict[str, dict[str, str]]:
-    """The summary table ``fastpersist bench --async`` prints (a header line, no title, rows
-    right-aligned under it up to a blank line): {row label: {column: cell}}."""
-    lines = r.lines(name)
-    try:
-        i = next(k for k, line in enumerate(lines) if line.lstrip().startswith("step s (median)"))
-    except StopIteration:
-        raise r.error(name, "summary table (a header starting 'step s (median)')") from None
-    cols = [(m.group(0), m.end()) for m in re.finditer(r"\S+(?: \S+)*", lines[i])]
-    out = {}
-    for line in lines[i + 1:]:
-        if not line.strip():
-            break
-        label, _, first = line[:cols[0][1]].rstrip().rpartition(" ")
-        cells = {cols[0][0]: first}
-        for (col, end), (_, prev) in zip(cols[1:], cols):
-            cells[col] = line[prev:end].strip()
-        out[label.strip()] = cells
-    return out
+    """The summary table ``fastpersist bench --async`` prints (a header line, no title):
+    {row label: {column: cell}}."""
+    return dict(r.aligned(name, header_start="step s (median)"))
 
 
 # (the bench's row label, the page's mode)
