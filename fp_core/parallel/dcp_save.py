@@ -130,6 +130,11 @@ class _WireLeaf:
 _WRITER_MESHES: dict[tuple, Any] = {}
 
 
+def forget_writer_meshes() -> None:
+    """The writer process leaves its group: the meshes made over it go with it."""
+    _WRITER_MESHES.clear()
+
+
 def _rebuild(obj: Any) -> Any:
     if isinstance(obj, _Leaf):
         return obj.rebuild()

@@ -84,8 +84,8 @@ from .process_writer import (
     ProcessSave,
     ProcessShardedFileSave,
     WriterProcess,
-    join_writers,
 )
+from .writers_group import WritersGroup
 
 log = logging.getLogger("fastpersist")
 
@@ -402,9 +402,9 @@ class AsyncCheckpointer:
         self.writer = writer
         self.resume_from_memory = resume_from_memory
         self._writer_proc: WriterProcess | None = None
-        # the writer process in the writers' group for collective saves: None before the
-        # first collective save, False where they stay on the thread writer
-        self._writers_joined: WriterProcess | bool | None = None
+        # the writers' group for collective saves (formed at the first one, or not: the
+        # thread writer takes them on every rank)
+        self._writers = WritersGroup(timeout_s)
         self._thread_reasons: set[str] = set()  # saves kept on the thread writer, logged once each
         self.policy = policy
         self.max_in_flight = max_in_flight
@@ -568,17 +568,8 @@ class AsyncCheckpointer:
         sharded state as one ``file``, or a ``dcp`` directory); every rank takes the same
         route, decided together at the first such save (:func:`join_writers`). None: the
         thread writer takes it."""
-        self._join_writers()
-        if self._writers_joined is False:
+        if not self._writers_route(f"collective save of {path}"):
             return None
-        if self._writer_proc is not self._writers_joined or not self._writer_proc.alive:
-            from ..parallel.distributed import CollectiveSaveError
-
-            pid = self._writers_joined.pid
-            raise CollectiveSaveError(
-                f"collective save of {path}: this rank's checkpoint writer process (pid {pid}) is gone, and with "
-                "it the writers' group; no collective save can be made in this run with writer='process' "
-                "(restart the run, or use writer='thread')")
         keep = min(self.max_in_flight, 8)
         job: ProcessCollectiveSave
         if kind == "file":
@@ -609,26 +600,49 @@ class AsyncCheckpointer:
                                  f"{size >> 20} MiB snapshot of a collective save", job.final))
         return job
 
-    def _join_writers(self) -> None:
-        """At the first save of every rank (collective or sharded), or a decline: the writers'
-        group (:func:`join_writers`), or the thread writer for all such saves. A group that
-        is not the whole world is decided here, alike on its ranks, without asking anyone
-        (the ranks outside it never come to agree)."""
-        if self._writers_joined is not None:
-            return
+    def _writers_route(self, what: str) -> bool:
+        """Every rank, at each collective save or decline with ``writer="process"``: True
+        where the writer processes run it, in their group (formed now at the first one, and
+        again after a save at which some rank's writer was gone); False: the thread writer
+        takes every rank's collective saves. Raises where this rank's writer is gone: the
+        save fails on every rank (the peers' writers find theirs gone), and the next one
+        forms the group again."""
         import torch.distributed as dist
 
-        world = dist.get_world_size()
-        if self.group is not None and sorted(dist.get_process_group_ranks(self.group)) != list(range(world)):
-            self._writers_joined = False
-            return
+        w = self._writers
+        if w.route is None:
+            world = dist.get_world_size()
+            if self.group is not None and sorted(dist.get_process_group_ranks(self.group)) != list(range(world)):
+                # decided alike on the group's ranks without asking anyone (the ranks
+                # outside it never come to agree)
+                w.route = False
+                return False
+            self._join_writers()
+        elif w.must_rejoin():
+            log.warning("fastpersist: a checkpoint writer process of the writers' group was gone at the last "
+                        "collective save; forming the group again")
+            self._join_writers()
+        if not w.route:
+            return False
+        if not w.report(self._writer_proc):
+            from ..parallel.distributed import CollectiveSaveError
+
+            pid = w.writer.pid if w.writer is not None else None
+            raise CollectiveSaveError(
+                f"{what}: this rank's checkpoint writer process (pid {pid}) is gone, and with it the writers' "
+                "group; this save fails on every rank, and the next collective save forms the group again")
+        return True
+
+    def _join_writers(self) -> None:
+        """Every rank at the same save: the writers' group, formed with this rank's writer
+        process (started now where there is none, or it is gone), or the thread writer for
+        all such saves (:func:`fp_core.pipeline.writers_group.join_writers`)."""
         try:
             if self._writer_proc is None or not self._writer_proc.alive:
                 self._start_writer()
         except _NoSharedMemory as e:
             log.warning("fastpersist: no writer process on this rank (%s)", e)
-        seq = join_writers(self._writer_proc, self.timeout_s)
-        self._writers_joined = self._writer_proc if seq is not None else False
+        self._writers.join(self._writer_proc)
 
     def _start_writer(self) -> None:
         if self._writer_proc is not None:
@@ -746,17 +760,10 @@ class AsyncCheckpointer:
             raise RuntimeError("decline() needs an AsyncCheckpointer with a group")
         from ..parallel.distributed import decline
 
-        if self.writer == "process":
-            # the peers' collective save may be their first: they meet this rank in the join
-            self._join_writers()
-        if self._writers_joined:
+        if self.writer == "process" and self._writers_route("decline()"):
             # the peers wait in their writers' group: writer 0 answers there, in its job order
             writer = self._writer_proc
-            if writer is not self._writers_joined:
-                from ..parallel.distributed import CollectiveSaveError
-
-                raise CollectiveSaveError("decline(): this rank's checkpoint writer process is gone, and with it "
-                                          "the writers' group")
+            assert writer is not None
             seq = writer.next_seq()
             writer.send(("decline", seq, {}))
 

@@ -659,57 +659,6 @@ class ProcessDcpSave(ProcessCollectiveSave):
         return {"dcp": {"state": {}, "extra_files": {}}}
 
 
-_joins = itertools.count()  # writers' groups joined by this process: the same order on every rank
-
-
-def _store_address(store: Any) -> tuple | None:
-    """Where another process reaches the trainers' store: ``("tcp", host, port)`` of the
-    TCPStore under any prefixes, else None."""
-    import torch.distributed as dist
-
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if isinstance(store, dist.TCPStore):
-        return ("tcp", store.host, store.port)
-    return None
-
-
-def join_writers(writer: WriterProcess | None, timeout_s: float) -> int | None:
-    """Make the writer processes of every rank a gloo group of their own, for collective
-    saves (called by every rank of the world, on the caller's thread, at the same save).
-
-    The ranks first agree, through the trainers' default store (no collective on a group
-    the background thread may be using), that every one of them has a writer process
-    (``writer`` is None where this rank could not start one) and a store the writers can
-    reach. If so, every rank hands its writer a ``join``, in its job order: the writers meet
-    at the trainers' store itself (its host and port, as this rank reached it: across
-    nodes too), under a prefix of their own. Returns the join's sequence number, or None:
-    collective saves stay on the thread writer, on every rank."""
-    import datetime
-    import secrets
-
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_default_store
-
-    store = _get_default_store()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    key = f"fastpersist/writers/{next(_joins)}"
-    where = _store_address(store)
-    can = writer is not None and writer.alive and where is not None
-    if rank == 0:
-        store.set(f"{key}/nonce", secrets.token_hex(8))  # unique under any prefix: a restart's store keeps keys
-    store.set(f"{key}/ok/{rank}", "1" if can else "0")
-    store.wait([f"{key}/ok/{r}" for r in range(world)] + [f"{key}/nonce"], datetime.timedelta(seconds=timeout_s))
-    if not all(store.get(f"{key}/ok/{r}") == b"1" for r in range(world)):
-        return None
-    assert writer is not None
-    nonce = store.get(f"{key}/nonce").decode()
-    seq = writer.next_seq()
-    writer.send(("join", seq, {"store": where, "rank": rank, "world": world, "timeout": timeout_s,
-                               "prefix": f"fastpersist-writers/{nonce}"}))
-    return seq
-
-
 def _plan_for_wire(plan: FilePlan) -> FilePlan:
     """The plan without tensors: each extent's bytes are in the arena at its offset."""
     wire = dataclasses.replace(plan, storages=[], cut=None)
@@ -717,4 +666,4 @@ def _plan_for_wire(plan: FilePlan) -> FilePlan:
     return wire
 
 
-__all__ = ["WriterProcess", "ProcessSave", "ProcessCollectiveSave", "ProcessShardedFileSave", "ProcessDcpSave", "WriterProcessError", "WRITERS", "join_writers"]
+__all__ = ["WriterProcess", "ProcessSave", "ProcessCollectiveSave", "ProcessShardedFileSave", "ProcessDcpSave", "WriterProcessError", "WRITERS"]

@@ -164,14 +164,18 @@ def _run(spec: dict, resume: bool, released: Any) -> dict:
 
 def _join(spec: dict) -> tuple:
     """Form the writers' gloo group (one writer per rank) at the trainers' store; once
-    formed it needs no store. A writer stays in one group for its life."""
+    formed it needs no store. A writer already in a group leaves it first: the trainers
+    form the group again when a peer's writer was gone (``fp_core.pipeline.writers_group``)."""
     import datetime
 
     import torch.distributed as dist
 
     try:
         if dist.is_initialized():
-            raise RuntimeError("this writer is already in a writers' group")
+            from fp_core.parallel import dcp_save
+
+            dcp_save.forget_writer_meshes()  # their groups are the old group's
+            dist.destroy_process_group()
         kind, host, port = spec["store"]
         timeout = datetime.timedelta(seconds=spec["timeout"])
         # the trainers' own store, as a client: it lives while every trainer joins

@@ -82,14 +82,18 @@ def test_a_trainer_killed_after_the_fence_does_not_fail_the_collective_save(tmp_
     assert _images(shm_root) == []
 
 
-def test_a_writer_killed_between_saves_fails_the_next_collective_save_on_every_rank(tmp_path, shm_root):
+def test_a_writer_killed_fails_the_next_collective_save_on_every_rank_and_the_group_forms_again(tmp_path, shm_root):
     results = rank_results(SCRIPT, tmp_path, "writer-killed", timeout=180)
     _no_crash(results)
     r0, r1 = results
-    assert "writer process" in r1["second"] and "writer='thread'" in r1["second"], r1
+    assert "writer process" in r1["second"] and "forms the group again" in r1["second"], r1
     assert "CollectiveSaveError" in r0["second"], r0  # its writer's peer is gone: at once, not at a timeout
     for r in results:
         assert r["gen"] == 1 and r["second_seconds"] < 30 and r["close"] == "", r
+        # the group formed again at the next save, every kind of collective save on it
+        assert r["third"] == "" and r["third_writer"] == "process" and r["after"] == [3, 3, 3], r
+        assert all(o == "" for o in r["outcomes"][2:]) and r["last"] == 7, r
+        assert all("CollectiveSaveError" in o or "writer" in o for o in r["outcomes"][:2] if o), r
     assert_no_temps(str(tmp_path))
     assert _images(shm_root) == []
 

@@ -15,7 +15,9 @@ writers run the collective save among themselves. Each rank writes ``DIR/result{
   state saved as one file (``layout="file"``) or a DCP directory: rank 1's orphaned writer
   writes its rows.
 * ``writer-killed``: rank 1's writer is SIGKILLed between saves: the next collective save
-  fails on every rank with an error that says so, and generation 1 stays.
+  fails on every rank with an error that says so, and generation 1 stays; the save after
+  it forms the writers' group again (collective, DCP and one-file saves go on). Then rank
+  0's writer is killed as a save is handed over: it and the next may fail, the rest commit.
 * ``decline-first``: rank 0 declines before any collective save; then a group of rank 0 alone.
 * ``submesh``: DTensors on ``mesh["dp"]`` of a named 2-D mesh, saved four times as DCP directories.
 * ``no-shared-memory-on-1``: rank 1 may not use shared memory: every rank's collective
@@ -152,6 +154,11 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         out["second"] = {"writer": stats.extra.get("writer"), "layout": stats.extra.get("layout", "dcp")}
         out["gen"] = generation(one)
     elif scenario == "writer-killed":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        one = os.path.join(d, "dcp-dir")
+        ck.save(sharded_state(1, mesh), one, layout="dcp").result()  # the writers' meshes are made
         dist.barrier()
         if rank == 1:
             os.kill(ck._writer_proc.pid, signal.SIGKILL)
@@ -162,6 +169,26 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         out["second_seconds"] = time.monotonic() - t0
         dist.barrier()
         out["gen"] = generation(path)
+        # the next save forms the writers' group again: collective, DCP (meshes over the new
+        # group) and one-file sharded saves all go on in the writer processes
+        out["third"] = error_of(lambda: ck.save(state(3), path).result())
+        out["third_writer"] = ck.save(state(3), path).result().extra.get("writer")
+        ck.save(sharded_state(3, mesh), one, layout="dcp").result()
+        ck.save(sharded_state(3, mesh), os.path.join(d, "full.pt"), layout="file").result()
+        dist.barrier()
+        out["after"] = [generation(path), generation(one), generation(os.path.join(d, "full.pt"))]
+        # rank 0's writer (its trainer hosts the store) killed right after a save is handed
+        # over: that save and at most the next fail, every later one commits
+        h = ck.save(state(4), path)
+        if rank == 0:
+            os.kill(ck._writer_proc.pid, signal.SIGKILL)
+            ck._writer_proc.proc.wait()
+        outcomes = [error_of(h.result)]
+        for g in (5, 6, 7):
+            outcomes.append(error_of(lambda g=g: ck.save(state(g), path).result()))
+        out["outcomes"] = outcomes
+        dist.barrier()
+        out["last"] = generation(path)
     elif scenario == "no-shared-memory-on-1":
         ck.save(state(2), path).result()
         out["gen"] = generation(path)
