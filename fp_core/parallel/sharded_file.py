@@ -48,6 +48,14 @@ the tensor's shard metadata (global on every rank, so every rank accepts or refu
 Another spec, several shards on one rank, shards that are not whole rows or do not tile the
 rows once are refused on every rank before anything is created, naming the tensor and
 ``layout="dcp"``.
+
+A :class:`~fp_core.format.flat_shard.FlatShard` (a contiguous element range of a tensor's
+flattened row-major form: how FSDP1's ``flat_param`` holds each original parameter and its
+Adam state) is one byte run of the full tensor, written like a ``Shard(0)`` shard by the
+rank that holds it. Its place is known only to its rank, so the ranks exchange their
+ranges with the layout (metadata, in the collective's agreement step) and refuse on every
+rank, naming the tensor, ranges that leave a gap or overlap: no byte is written, and rank
+0's temp file goes. ``format="safetensors"`` does not take them.
 """
 
 from __future__ import annotations
@@ -67,6 +75,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..format.flat_shard import FlatShard, tiling_problem
 from ..format.plan import FilePlan, StorageExtent, align_down, align_up, from_skeleton, leaves, tensor_names
 from ..format.safetensors_plan import _DTYPES, SafetensorsPlan, build_safetensors
 from ..format.shard_layout import global_indices, shard_segments
@@ -75,6 +84,7 @@ from ..io.engine import EngineOptions
 from ..io.writer import PieceCrc, RangeStats, combine_piece_crcs, finish_tail, write_range
 from ..saving.local import MIN_ALIGNMENT
 from ..sharded import dtensor_type, map_containers, sharded_tensor_type
+from . import fsdp1_flat  # re-exported: FSDP1's full state as FlatShards, for the integrations
 from .distributed import DEFAULT_TIMEOUT_S, CollectiveSave, CollectiveSaveError, _sample_crc
 from .partition import split_extents
 
@@ -117,14 +127,16 @@ def _walk_dtensors(obj: Any, kind: type) -> list[tuple[str, Any]]:
 
 
 def _sharded_kinds() -> tuple[type, ...]:
-    """The sharded tensor types a state may hold now (DTensor, ShardedTensor)."""
-    return tuple(t for t in (dtensor_type(), sharded_tensor_type()) if t is not None)
+    """The sharded tensor types a state may hold now (DTensor, ShardedTensor, FlatShard)."""
+    return tuple(t for t in (dtensor_type(), sharded_tensor_type()) if t is not None) + (FlatShard,)
 
 
 def _global_meta(t: Any) -> tuple[torch.Size, torch.dtype, bool]:
     """The global shape, dtype and requires_grad of a DTensor or ShardedTensor. A
     ShardedTensor's come from its metadata: its ``__torch_function__`` refuses most
     tensor methods."""
+    if isinstance(t, FlatShard):
+        return t.global_shape, t.dtype, False
     kind = sharded_tensor_type()
     if kind is not None and isinstance(t, kind):
         md = t.metadata()
@@ -283,6 +295,9 @@ class ShardedFileSave(CollectiveSave):
             if kind is not None and leaves(obj, lambda o: isinstance(o, kind)):
                 raise ValueError(f"{os.fspath(path)}: ShardedTensor (FSDP1) state with layout=\"file\" is written "
                                  "as format='torch'")
+            if leaves(obj, lambda o: isinstance(o, FlatShard)):
+                raise ValueError(f"{os.fspath(path)}: FlatShard state with layout=\"file\" is written as "
+                                 "format='torch'")
             check_safetensors_state(obj)
         check_placements(obj)
         check_sharded_tensors(obj, group)
@@ -290,6 +305,9 @@ class ShardedFileSave(CollectiveSave):
         self.full: FilePlan | None = None
         self._names: list[str] = []  # record number -> name (a torch record's, a safetensors tensor's)
         self.held: list[_Held] = []
+        # record number -> (path, element size) of each FlatShard's storage: its ranks' ranges
+        # are checked together before anything is written (_agree)
+        self._flat: dict[int, tuple[str, int]] = {}
         self.layout_hash = ""
         self._runs: list[tuple[int, int]] = []  # block-aligned ranges this rank alone writes
         self._partial: list[tuple[int, int]] = []  # its bytes in blocks it shares with others
@@ -315,6 +333,8 @@ class ShardedFileSave(CollectiveSave):
                 self.held.append(_Held(s.record, 0, s.offset, s.length, s.source, everyone, me))
                 continue
             path, dt = hit
+            if isinstance(dt, FlatShard):
+                self._flat[s.record] = (path, dt.dtype.itemsize)
             segments, source, holders, index = self._local_bytes(path, dt, cg_ranks)
             for start, at, n in segments:
                 self.held.append(_Held(s.record, start, s.offset + start, n, source[at:at + n], holders, index))
@@ -352,7 +372,7 @@ class ShardedFileSave(CollectiveSave):
             StorageExtent(s.offset, s.length, empty, s.record, record_start=s.record_start)
             for s in self.full.storages])
         return {"format": self.format, "metadata": self.metadata, "full": full, "names": self._names,
-                "layout_hash": self.layout_hash,
+                "layout_hash": self.layout_hash, "flat": self._flat,
                 "held": [(x.record, x.start, x.offset, x.length, x.holders, x.index) for x in self.held]}
 
     @classmethod
@@ -363,6 +383,7 @@ class ShardedFileSave(CollectiveSave):
         self = cls.from_plan(None, path, plan_error=None, cg=cg, topology="replica", options=options)
         self.format, self.metadata = wire["format"], wire["metadata"]
         self.full, self._names, self.layout_hash = wire["full"], wire["names"], wire["layout_hash"]
+        self._flat = wire["flat"]
         self.held = [_Held(rec, start, off, n, arena[off:off + n], tuple(holders), index)
                      for rec, start, off, n, holders, index in wire["held"]]
         self._runs, self._partial, self._fd, self._buffered_bytes = [], [], None, 0
@@ -434,6 +455,8 @@ class ShardedFileSave(CollectiveSave):
         """Where this rank's local shard of ``dt`` lies in the full tensor's storage (its
         byte runs: full offset, local offset, length), its bytes, and the
         coordination-group ranks that hold the same shard."""
+        if isinstance(dt, FlatShard):
+            return self._flat_shard_bytes(path, dt)
         st_kind = sharded_tensor_type()
         if st_kind is not None and isinstance(dt, st_kind):
             return self._sharded_tensor_bytes(path, dt)
@@ -483,11 +506,44 @@ class ShardedFileSave(CollectiveSave):
         source = local.reshape(-1).view(torch.uint8)
         return [(sm.shard_offsets[0] * row, 0, sm.shard_sizes[0] * row)], source, (me,), 0
 
+    def _flat_shard_bytes(self, path: str, fs: FlatShard
+                          ) -> tuple[list[tuple[int, int, int]], torch.Tensor, tuple[int, ...], int]:
+        """:meth:`_local_bytes` of a FlatShard: its elements are one run of the full tensor's
+        bytes, at its first element, held by this rank alone (the ranks' ranges are checked
+        to tile the tensor in :meth:`_agree`)."""
+        me = dist.get_rank(self.cg)
+        local = fs.local
+        if not local.numel():
+            return [], torch.empty(0, dtype=torch.uint8), (me,), 0
+        if not local.is_contiguous():
+            local = local.contiguous()
+        size = fs.dtype.itemsize
+        return [(fs.start * size, 0, local.numel() * size)], local.reshape(-1).view(torch.uint8), (me,), 0
+
     # -- the collective save's steps --------------------------------------------------
 
     def _table(self) -> Any:
         samples = {(self._names[x.record], x.start): _sample_crc(x.extent) for x in self.held if len(x.holders) > 1}
-        return self.layout_hash, samples
+        # this rank's FlatShard ranges, in elements: only together do they say whether they tile
+        flat = [(x.record, x.start // self._flat[x.record][1], x.length // self._flat[x.record][1])
+                for x in self.held if x.record in self._flat]
+        return self.layout_hash, samples, flat
+
+    def _check_tiling(self, statuses: list[Any]) -> None:
+        """Refuse, on every rank alike (each has every rank's ranges), FlatShards whose ranks'
+        ranges do not cover their tensor exactly once, naming the first such tensor."""
+        by_record: dict[int, list[tuple[int, int, int]]] = {r: [] for r in self._flat}
+        for r, st in enumerate(statuses):
+            for record, start, count in st[2][2]:
+                by_record[record].append((r, start, count))
+        storages = {s.record: s for s in self.full.storages}
+        for record, (path, size) in sorted(self._flat.items()):
+            numel = storages[record].length // size
+            why = tiling_problem(numel, by_record[record])
+            if why is not None:
+                raise UnsupportedPlacementError(
+                    f"sharded save of {self.final}: {path}: the ranks' FlatShards of this tensor of {numel} "
+                    f"elements do not cover it exactly once: {why}; nothing was written")
 
     def _agree(self, statuses: list[Any], rank: int, world: int) -> list[int]:
         for r, st in enumerate(statuses):
@@ -495,6 +551,7 @@ class ShardedFileSave(CollectiveSave):
                 raise CollectiveSaveError(
                     f"sharded save of {self.final}: rank {r} lays the file out unlike rank 0 (its keys, global "
                     "shapes, dtypes, placements or non-tensor values differ); every rank must save the same state")
+        self._check_tiling(statuses)
         # The plan's storages are rebuilt as this rank's share; each piece's bytes come from
         # its extent's snapshot copy when the pipeline took one (the state as of save()).
         owned: list[StorageExtent] = []
@@ -687,5 +744,5 @@ class ShardedFileSave(CollectiveSave):
         return stats
 
 
-__all__ = ["Placeholders", "ShardedFileSave", "UnsupportedPlacementError", "check_placements", "check_sharded_tensors",
+__all__ = ["FlatShard", "Placeholders", "fsdp1_flat", "ShardedFileSave", "UnsupportedPlacementError", "check_placements", "check_sharded_tensors",
            "check_safetensors_state", "global_indices", "shard_segments"]

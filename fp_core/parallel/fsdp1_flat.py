@@ -1,0 +1,257 @@
+"""FSDP1's full state (what ``FULL_STATE_DICT`` gathers) made on every rank from its own
+``flat_param`` shards, as :class:`~fp_core.format.flat_shard.FlatShard` s: no gather.
+
+Each FSDP1 ``FlatParameter`` shard holds, for each original parameter ``i``, elements
+``[intra_param_start_idx, intra_param_end_idx]`` of that parameter's flattened form at
+``offset_in_shard`` (``flat_param._shard_param_infos[i]``). So each parameter of the full
+state dict is a FlatShard of this rank's piece, and each positive-dimensional optimizer
+state of it (Adam's ``exp_avg``, ``exp_avg_sq``) too: with ``use_orig_params=True`` the
+optimizer holds a 1-D state per original parameter, of this rank's piece; without it one
+per ``FlatParameter``, cut by the same infos. Saved with ``layout="file"``
+(:mod:`fp_core.parallel.sharded_file`), every rank writes its pieces into the one file
+``FULL_STATE_DICT`` + ``FSDP.optim_state_dict`` would give, and plain ``torch.load`` reads
+full tensors back.
+
+The structure follows FSDP's own: the model's keys in ``state_dict()``'s order (each
+module's parameters, then its persistent buffers, then its children; FSDP's wrapper names
+removed), the optimizer state keyed by parameter name, ordered as
+``FSDP.optim_state_dict`` orders it, its ``param_groups`` with parameter names. Buffers,
+step counters and hyperparameters are plain tensors or values, the same on every rank (the
+save splits their bytes among the ranks). The ranks exchange only metadata: which state
+keys each parameter has, the dtypes, and the zero-dimensional values (step counters), so
+a rank learns the step of a parameter whose elements it does not hold.
+
+:func:`unsupported` says where this does not apply (the caller then gathers as stock does).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..format.flat_shard import FlatShard
+
+
+def _fsdp_modules(model: torch.nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [m for m in model.modules() if isinstance(m, FSDP)]
+
+
+def _handles(model: torch.nn.Module) -> list[Any]:
+    return [m._handle for m in _fsdp_modules(model) if getattr(m, "_handle", None) is not None]
+
+
+def unsupported(model: torch.nn.Module, optimizers: list[Any] = ()) -> str | None:
+    """Why ``model`` (an FSDP1 root) and ``optimizers`` cannot be saved from their flat
+    shards (None: they can): not FSDP1, replicated or hybrid sharding, parameters offloaded
+    to the CPU, mixed precision (the saved dtypes are not the shards'), parameters shared
+    between modules, modules with extra state, or an optimizer holding parameters FSDP does
+    not manage."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    fsdp = _fsdp_modules(model)
+    if not fsdp:
+        return "the model is not wrapped in FSDP1's FullyShardedDataParallel"
+    world = dist.get_world_size(fsdp[0].process_group) if dist.is_initialized() else 1
+    for m in fsdp:
+        handle = getattr(m, "_handle", None)
+        strategy = m.sharding_strategy
+        if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
+            return f"sharding strategy {strategy.name} (replicated shards)"
+        if handle is not None and not handle.uses_sharded_strategy and world > 1:
+            return f"sharding strategy {strategy.name} (every rank holds every parameter)"
+        if m.cpu_offload.offload_params:
+            return "CPU offload of the parameters"
+        mp = m.mixed_precision
+        if any(getattr(mp, a, None) is not None for a in ("param_dtype", "reduce_dtype", "buffer_dtype")):
+            return "mixed precision (the full state's dtypes are not the shards')"
+        if handle is not None and handle.flat_param._shared_param_infos:
+            return "parameters shared between modules"
+    for mod in model.modules():
+        if type(mod).get_extra_state is not torch.nn.Module.get_extra_state:
+            return f"module {type(mod).__name__} has extra state"
+    managed = {id(p) for h in _handles(model) for p in ([h.flat_param] + list(h.flat_param._params or []))}
+    for opt in optimizers:
+        for g in opt.param_groups:
+            if any(id(p) not in managed for p in g["params"]):
+                return f"{type(opt).__name__} holds parameters FSDP does not manage"
+    return None
+
+
+def _clean(name: str) -> str:
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    return clean_tensor_name(name)
+
+
+def _piece(flat: torch.Tensor, info: Any, shape: torch.Size) -> FlatShard:
+    """Parameter ``info``'s elements in this rank's flat shard ``flat`` (1-D) as a FlatShard
+    of the full parameter's ``shape``; an empty one where this rank holds none of it."""
+    if not info.in_shard:
+        return FlatShard(flat[:0], shape, 0)
+    piece = flat[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
+    return FlatShard(piece, shape, info.intra_param_start_idx)
+
+
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The full state dict of the FSDP1 ``model`` (the keys and order ``FULL_STATE_DICT``
+    gives), every FSDP-managed parameter a FlatShard of this rank's piece, buffers and
+    other parameters plain (detached) tensors."""
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    where: dict[tuple[int, str], tuple[Any, int]] = {}  # (module, name) -> (flat_param, index)
+    for h in _handles(model):
+        fp = h.flat_param
+        for i, pi in enumerate(fp._param_infos):
+            where[(id(pi.module), pi.param_name)] = (fp, i)
+    out: dict[str, Any] = {}
+
+    def visit(module: torch.nn.Module, prefix: str) -> None:
+        names = [n for n, p in module._parameters.items() if p is not None and not isinstance(p, FlatParameter)]
+        # use_orig_params=False: the managed parameters are not registered while sharded;
+        # FULL_STATE_DICT registers them again after the module's other parameters
+        names += [n for (mid, n) in where if mid == id(module) and n not in names]
+        for n in names:
+            hit = where.get((id(module), n))
+            if hit is None:
+                out[_clean(prefix + n)] = module._parameters[n].detach()
+            else:
+                fp, i = hit
+                out[_clean(prefix + n)] = _piece(fp.detach(), fp._shard_param_infos[i], fp._shapes[i])
+        for n, b in module._buffers.items():
+            if b is not None and n not in module._non_persistent_buffers_set:
+                out[_clean(prefix + n)] = b.detach()
+        for n, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{n}.")
+
+    visit(model, "")
+    return out
+
+
+def _meta(state: dict[str, Any]) -> list[tuple[str, Any]]:
+    """What the other ranks need of one parameter's optimizer state: each key, and for a
+    tensor its dtype (positive-dimensional: a piece) or its value (zero-dimensional)."""
+    out: list[tuple[str, Any]] = []
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out.append((k, ("piece", v.dtype) if v.dim() else ("scalar", v.dtype, v.item())))
+        else:
+            out.append((k, ("value", v)))
+    return out
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: Any, group: Any = None) -> dict[str, Any]:
+    """``FSDP.optim_state_dict(model, optimizer)``'s full state (keyed by parameter name),
+    each positive-dimensional state tensor a FlatShard of this rank's piece. Every rank of
+    ``group`` (the model's) calls it: the ranks exchange each parameter's state keys and
+    zero-dimensional values (metadata, no tensor data)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+    fsdp = _fsdp_modules(model)
+    handles = _handles(model)
+    by_flat = {id(h.flat_param): h.flat_param for h in handles}
+    by_orig: dict[int, tuple[Any, int]] = {}
+    for h in handles:
+        for i, p in enumerate(h.flat_param._params or []):
+            by_orig[id(p)] = (h.flat_param, i)
+    names = {}  # (flat_param, index) -> global name
+    unit_of: dict[str, int] = {}
+    prefix_of = {id(m._handle.flat_param): name for name, m in model.named_modules()
+                 if m in fsdp and m._handle is not None}
+    for h in handles:
+        fp = h.flat_param
+        prefix = prefix_of.get(id(fp), "")
+        for i, local in enumerate(fp._fqns):
+            name = _clean(f"{prefix}.{local}" if prefix else local)
+            names[(id(fp), i)] = name
+            unit_of[name] = id(fp)
+    use_orig = any(h._use_orig_params for h in handles)
+
+    # This rank's pieces and metadata by parameter name, in the optimizer's order.
+    order: list[str] = []
+    local: dict[str, dict[str, Any]] = {}
+    where: dict[str, tuple[Any, int]] = {}
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            state = optimizer.state.get(p, {})
+            if use_orig:
+                fp, i = by_orig[id(p)]
+                name = names[(id(fp), i)]
+                order.append(name)
+                where[name] = (fp, i)
+                local[name] = dict(state)
+                continue
+            fp = by_flat[id(p)]
+            for i in range(len(fp._fqns)):
+                name = names[(id(fp), i)]
+                order.append(name)
+                where[name] = (fp, i)
+                info = fp._shard_param_infos[i]
+                cut = {}
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor) and v.dim():
+                        v = v[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard] \
+                            if info.in_shard else v[:0]
+                    cut[k] = v
+                local[name] = cut
+    mine = {n: _meta(s) for n, s in local.items() if s}
+    world = dist.get_world_size(group)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine, group=group)
+    merged: dict[str, list[tuple[str, Any]]] = {}
+    for ranks_meta in every:
+        for n, m in ranks_meta.items():
+            merged.setdefault(n, m)
+
+    if use_orig:
+        # FSDP.optim_state_dict: the names sorted, then grouped by FlatParameter in the order
+        # each first appears
+        groups: dict[int, list[str]] = {}
+        for n in sorted(merged):
+            groups.setdefault(unit_of[n], []).append(n)
+        keys = [n for names_ in groups.values() for n in names_]
+    else:
+        keys = [n for n in order if n in merged]
+    state_out: dict[str, Any] = {}
+    for n in keys:
+        fp, i = where[n]
+        info, shape = fp._shard_param_infos[i], fp._shapes[i]
+        mine_n = local.get(n, {})
+        entry: dict[str, Any] = {}
+        metas = merged[n]
+        if not use_orig:  # unflattened as FSDP does: tensors, then 0-d tensors, then values, each by name
+            metas = sorted(metas, key=lambda km: (("piece", "scalar", "value").index(km[1][0]), km[0]))
+        for k, m in metas:
+            if m[0] == "piece":
+                v = mine_n.get(k)
+                if v is None or not info.in_shard:
+                    entry[k] = FlatShard(torch.empty(0, dtype=m[1]), shape, 0)
+                else:
+                    entry[k] = FlatShard(v.detach().reshape(-1), shape, info.intra_param_start_idx)
+            elif m[0] == "scalar":  # the first holder's value on every rank: one layout, one value
+                entry[k] = torch.tensor(m[2], dtype=m[1])
+            else:
+                entry[k] = copy.deepcopy(m[1])
+        state_out[n] = entry
+
+    groups_out = []
+    for g in optimizer.param_groups:
+        packed = {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+        params: list[str] = []
+        for p in g["params"]:
+            if use_orig:
+                fp, i = by_orig[id(p)]
+                params.append(names[(id(fp), i)])
+            else:
+                fp = by_flat[id(p)]
+                params += [names[(id(fp), i)] for i in range(len(fp._fqns))]
+        packed["params"] = params
+        groups_out.append(packed)
+    return {"state": state_out, "param_groups": groups_out}
+
+
+__all__ = ["model_state", "optimizer_state", "unsupported"]
