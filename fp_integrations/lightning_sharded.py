@@ -1,5 +1,5 @@
 """Lightning's sharded strategies on FastPersist: ``ModelParallelStrategy`` and
-``FSDPStrategy(state_dict_type="sharded")``.
+``FSDPStrategy`` (``state_dict_type="sharded"`` and ``"full"``).
 
 Those strategies never hand a sharded checkpoint to the ``CheckpointIO``: every rank calls
 ``torch.distributed.checkpoint.save`` with DCP's stock writer itself, then rank 0 writes
@@ -40,6 +40,19 @@ plugin's ``AsyncCheckpointer`` where the plugin's saves are. ``ckpt_path=...`` o
 stock's) fills the sharded model and optimizer with ``fp_core.load_into``: each rank reads only
 its own rows, on any number of ranks.
 
+``FSDPStrategy(state_dict_type="full")`` (FSDP1, one ``.ckpt`` file): stock Lightning
+gathers the full model and optimizer state to rank 0 (``FULL_STATE_DICT``), which writes
+the file. Routed, no rank gathers anything: each rank's FSDP1 ``flat_param`` shard holds a
+contiguous element range of each parameter's flattened form (and Adam's state the same
+range), so the checkpoint's ``state_dict`` and ``optimizer_states`` are built on every rank
+from those ranges as ``FlatShard`` s (:mod:`fp_core.parallel.fsdp1_flat`, with stock's keys,
+order, dtypes and shapes, the optimizer state rekeyed by parameter id as stock rekeys it),
+and every rank writes its ranges of the one file (``layout="file"``). Where that cannot
+apply (CPU offload, mixed precision, ``use_orig_params=False``, replicated or hybrid
+sharding, an optimizer over parameters FSDP does not manage, a remote path) the save is
+stock's gather, and the first save logs why. ``ckpt_path=...`` keeps stock's load of the
+full file (a ``torch.save`` file).
+
 The plugin alone routes them: the first time Lightning assigns a FastPersist plugin to a
 strategy (``Strategy.checkpoint_io``'s setter, which :func:`patch_strategy_class` wraps once
 per process), :func:`on_assigned` installs the routing on that strategy object. A strategy
@@ -52,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import pickle
 import shutil
@@ -63,6 +77,7 @@ from typing import Any
 
 _METADATA_FILENAME = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 _patch_lock = threading.RLock()
+log = logging.getLogger("fastpersist")
 
 
 def sharded_state_key(strategy: Any) -> str | None:
@@ -82,9 +97,51 @@ def _class_names(strategy: Any) -> set[str]:
 
 def file_mode(strategy: Any) -> bool:
     """Does ``strategy`` save one full-state ``.ckpt`` file that every rank can write its own
-    rows of (``ModelParallelStrategy(save_distributed_checkpoint=False)``)?"""
-    return "ModelParallelStrategy" in _class_names(strategy) and \
-        not getattr(strategy, "_save_distributed_checkpoint", True)
+    part of (``ModelParallelStrategy(save_distributed_checkpoint=False)``: its rows;
+    ``FSDPStrategy(state_dict_type="full")``: its flat-param ranges, see :func:`fsdp1_full_why`)?"""
+    names = _class_names(strategy)
+    if "ModelParallelStrategy" in names:
+        return not getattr(strategy, "_save_distributed_checkpoint", True)
+    return "FSDPStrategy" in names and getattr(strategy, "_state_dict_type", None) == "full"
+
+
+def _is_fsdp(strategy: Any) -> bool:
+    return "FSDPStrategy" in _class_names(strategy)
+
+
+def _flat_shards_routed() -> bool:
+    """Does this fp_core route a state holding FlatShards to the one-file save? (It does
+    once ``fp_core.sharded.is_sharded`` knows them; before, such a state would be saved as a
+    plain collective one, which it cannot be.)"""
+    import torch
+
+    from fp_core.parallel.sharded_file import FlatShard
+    from fp_core.sharded import is_sharded
+
+    return is_sharded({"x": FlatShard(torch.empty(0), (0,), 0)})
+
+
+def fsdp1_full_why(strategy: Any) -> str | None:
+    """Why ``FSDPStrategy(state_dict_type="full")``'s checkpoints cannot be written by every
+    rank from its flat-param shards (then they are stock's gather to rank 0), or None when
+    they can. Decided at the first save, the same on every rank (the model's and the
+    strategy's configuration only), and logged once."""
+    if "_fastpersist_fsdp1_why" in strategy.__dict__:
+        return strategy.__dict__["_fastpersist_fsdp1_why"]
+    from fp_core.parallel.sharded_file import fsdp1_flat
+
+    if not _flat_shards_routed():
+        why = "this fp_core does not route FlatShard state to layout=\"file\" (fp_core.sharded.is_sharded)"
+    elif strategy.kwargs.get("use_orig_params") is False:
+        why = "use_orig_params=False (stock keys the optimizer state by parameters FSDP1 has flattened)"
+    else:
+        optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+        why = fsdp1_flat.unsupported(strategy.model, optimizers)
+    strategy._fastpersist_fsdp1_why = why
+    if why is not None and strategy.global_rank == 0:
+        log.warning("fastpersist: FSDPStrategy(state_dict_type=\"full\") checkpoints are gathered to rank 0 and "
+                    "written by it, as stock does, not by every rank from its shards: %s", why)
+    return why
 
 
 def install(strategy: Any, plugin: Any) -> bool:
@@ -111,6 +168,8 @@ def _install(strategy: Any, plugin: Any) -> None:
         if storage_options is not None or (key is None and not file_mode(strategy)):
             return stock_save(checkpoint, filepath, storage_options)  # stock's own answer (a TypeError for the former)
         if key is None:
+            if _is_fsdp(strategy) and fsdp1_full_why(strategy) is not None:
+                return stock_save(checkpoint, filepath, storage_options)
             return _save_file(strategy, plugin, checkpoint, filepath, stock_save)
         path = os.path.abspath(os.fspath(strategy.broadcast(filepath)))
         if os.path.isfile(path):  # as stock: a full checkpoint file under the name is replaced
@@ -146,6 +205,12 @@ def _install(strategy: Any, plugin: Any) -> None:
     def lightning_module_state_dict() -> dict[str, Any]:
         if not file_mode(strategy):
             return stock_module_state()
+        if _is_fsdp(strategy):
+            if fsdp1_full_why(strategy) is not None:
+                return stock_module_state()
+            from fp_core.parallel.sharded_file import fsdp1_flat
+
+            return fsdp1_flat.model_state(strategy.model)  # FlatShards: every rank writes its ranges
         # the DTensors themselves: every rank writes its own rows of the file (no gather)
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -154,6 +219,10 @@ def _install(strategy: Any, plugin: Any) -> None:
     def optimizer_state(optimizer: Any) -> dict[str, Any]:
         if not file_mode(strategy):
             return stock_optimizer_state(optimizer)
+        if _is_fsdp(strategy):
+            if fsdp1_full_why(strategy) is not None:
+                return stock_optimizer_state(optimizer)
+            return _fsdp1_optimizer_state(strategy, optimizer)
         return _sharded_optimizer_state(strategy, optimizer)
 
     stock_teardown = type(strategy).teardown.__get__(strategy)
@@ -169,7 +238,7 @@ def _install(strategy: Any, plugin: Any) -> None:
     strategy.save_checkpoint = save_checkpoint
     strategy.load_checkpoint = load_checkpoint
     strategy.teardown = teardown
-    if "ModelParallelStrategy" in _class_names(strategy):
+    if "ModelParallelStrategy" in _class_names(strategy) or _is_fsdp(strategy):
         strategy.lightning_module_state_dict = lightning_module_state_dict
         strategy.optimizer_state = optimizer_state
     strategy._fastpersist_sharded = plugin
@@ -193,6 +262,20 @@ def _sharded_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
     return FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, strategy.model)
 
 
+def _fsdp1_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
+    """What stock ``FSDPStrategy.optimizer_state`` writes into a full checkpoint
+    (``FSDP.optim_state_dict``'s full state, rekeyed by parameter id), each state tensor a
+    FlatShard of this rank's range, so no rank gathers it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import OptimStateKeyType
+
+    from fp_core.parallel.sharded_file import fsdp1_flat
+
+    model = strategy.model
+    state = fsdp1_flat.optimizer_state(model, optimizer, group=model.process_group)
+    return FSDP.rekey_optim_state_dict(state, OptimStateKeyType.PARAM_ID, model)
+
+
 def _save_file(strategy: Any, plugin: Any, checkpoint: dict[str, Any], filepath: Any, stock_save: Any) -> None:
     """``ModelParallelStrategy(save_distributed_checkpoint=False)``: every rank writes its own
     rows of the one ``.ckpt`` file. Rank 0's loops, callbacks and schedulers are what the file
@@ -201,6 +284,12 @@ def _save_file(strategy: Any, plugin: Any, checkpoint: dict[str, Any], filepath:
     path = strategy.broadcast(filepath)
     from fp_core import paths as fp_paths
 
+    if fp_paths.is_remote(path) and _is_fsdp(strategy):
+        # no file a rank can write its ranges into: stock's full state, gathered, to stock's path
+        checkpoint["state_dict"] = type(strategy).lightning_module_state_dict(strategy)
+        if "optimizer_states" in checkpoint:
+            checkpoint["optimizer_states"] = [type(strategy).optimizer_state(strategy, o) for o in strategy.optimizers]
+        return stock_save(checkpoint, path, None)
     if fp_paths.is_remote(path):
         # no file a rank can write its rows into: the full state, gathered, goes to stock's path
         from fp_core.sharded import map_containers
@@ -387,4 +476,4 @@ def _reads_through_fastpersist(strategy: Any, verify: bool) -> Iterator[None]:
                 m._distributed_checkpoint_load = fn
 
 
-__all__ = ["file_mode", "install", "on_assigned", "patch_strategy_class", "sharded_state_key"]
+__all__ = ["file_mode", "fsdp1_full_why", "install", "on_assigned", "patch_strategy_class", "sharded_state_key"]

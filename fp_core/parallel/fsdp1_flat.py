@@ -27,6 +27,7 @@ a rank learns the step of a parameter whose elements it does not hold.
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -66,9 +67,15 @@ def unsupported(model: torch.nn.Module, optimizers: list[Any] = ()) -> str | Non
             return f"sharding strategy {strategy.name} (every rank holds every parameter)"
         if m.cpu_offload.offload_params:
             return "CPU offload of the parameters"
-        mp = m.mixed_precision
-        if any(getattr(mp, a, None) is not None for a in ("param_dtype", "reduce_dtype", "buffer_dtype")):
-            return "mixed precision (the full state's dtypes are not the shards')"
+        # Mixed precision whose dtypes are the originals' (Lightning's "32-true" sets float32
+        # throughout) changes nothing saved; another param or buffer dtype does: the full
+        # state holds the originals' dtypes, the shards or live buffers not
+        if handle is not None and handle._uses_param_mixed_precision:
+            return "mixed precision of the parameters (the full state's dtypes are not the shards')"
+        bd = m.mixed_precision.buffer_dtype
+        if bd is not None and any(dt.is_floating_point and dt != bd
+                                  for dt in getattr(m, "_buffer_name_to_orig_dtype", {}).values()):
+            return f"mixed precision of the buffers ({bd}: the full state holds their original dtypes)"
         if handle is not None and handle.flat_param._shared_param_infos:
             return "parameters shared between modules"
     for mod in model.modules():
@@ -108,7 +115,7 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
         fp = h.flat_param
         for i, pi in enumerate(fp._param_infos):
             where[(id(pi.module), pi.param_name)] = (fp, i)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = OrderedDict()  # as nn.Module.state_dict() returns it
 
     def visit(module: torch.nn.Module, prefix: str) -> None:
         names = [n for n, p in module._parameters.items() if p is not None and not isinstance(p, FlatParameter)]
