@@ -84,6 +84,21 @@ def test_bad_flat_shards_and_formats_are_refused(ranks):
         assert r["safetensors"].endswith("FlatShard state with layout=\"file\" is written as format='torch'")
 
 
+def test_where_the_flat_route_does_not_apply_it_says_why(ranks):
+    assert ranks[0]["unsupported"] == {
+        "supported": None,
+        "fp32": None,  # mixed precision in the originals' dtypes (Lightning's "32-true") saves the same
+        "bf16": "mixed precision of the parameters (the full state's dtypes are not the shards')",
+        "buffers": "mixed precision of the buffers (torch.bfloat16: the full state holds their original dtypes)",
+        "offload": "CPU offload of the parameters",
+        "no_shard": "sharding strategy NO_SHARD (every rank holds every parameter)",
+        "tied": "parameters shared between modules",
+        "extra": "module Extra has extra state",
+        "foreign": "Adam holds parameters FSDP does not manage",
+        "not_fsdp": "the model is not wrapped in FSDP1's FullyShardedDataParallel",
+    }
+
+
 @pytest.mark.parametrize("numel, ranges, why", [
     (10, [(0, 0, 4), (1, 4, 6)], None),
     (10, [(1, 4, 6), (0, 0, 4), (2, 7, 0)], None),  # any order, empty ranges anywhere

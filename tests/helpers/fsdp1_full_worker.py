@@ -243,6 +243,41 @@ def async_check(d: str, rank: int, result: dict) -> None:
     result["async_differ"] = differ({"model": synthetic(2), "step": 3}, torch.load(path, weights_only=True))
 
 
+def unsupported_check(result: dict) -> None:
+    """Where the flat-shard route does not apply, each case with its reason (the caller
+    gathers as stock does instead); mixed precision whose dtypes are the originals' does."""
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    class Extra(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"v": 1}
+
+        def set_extra_state(self, state) -> None:
+            pass
+
+    def wrap(net=None, **kw):
+        net = net or torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 4))
+        return FSDP(net, device_id=torch.device("cpu"), use_orig_params=True, **kw)
+
+    tied = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    plain = wrap()
+    cases = {
+        "supported": (plain, [torch.optim.Adam(plain.parameters())]),
+        "fp32": (wrap(mixed_precision=MixedPrecision(torch.float32, torch.float32, torch.float32)), []),
+        "bf16": (wrap(mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)), []),
+        "buffers": (wrap(torch.nn.BatchNorm1d(4), mixed_precision=MixedPrecision(buffer_dtype=torch.bfloat16)), []),
+        "offload": (wrap(cpu_offload=CPUOffload(offload_params=True)), []),
+        "no_shard": (wrap(sharding_strategy=ShardingStrategy.NO_SHARD), []),
+        "tied": (wrap(tied), []),
+        "extra": (wrap(torch.nn.Sequential(Extra(4, 4))), []),
+        "foreign": (plain, [torch.optim.Adam([*plain.parameters(), torch.nn.Parameter(torch.ones(2))])]),
+        "not_fsdp": (torch.nn.Linear(2, 2), []),
+    }
+    result["unsupported"] = {k: fsdp1_flat.unsupported(m, opts) for k, (m, opts) in cases.items()}
+
+
 def main() -> None:
     rank, world, d, scenario = join()
     result: dict = {"rank": rank}
@@ -254,6 +289,7 @@ def main() -> None:
         fsdp1_check(d, False, result)
         ranges_check(d, rank, result)
         async_check(d, rank, result)
+        unsupported_check(result)
 
 
 if __name__ == "__main__":

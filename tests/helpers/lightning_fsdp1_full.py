@@ -2,7 +2,9 @@
 with ``FastPersistIO`` alone (no FastPersistCallback) or stock, several runs per launch.
 
 Run under torchrun: ``python -m torch.distributed.run --nproc-per-node N THIS DIR MODE PHASE
-[DIR MODE PHASE ...]``. MODE: ``fastpersist`` (the plugin alone) or ``stock``. PHASE:
+[DIR MODE PHASE ...]``. MODE: ``fastpersist`` (the plugin alone), ``stock``, or
+``fallback`` (the plugin alone with ``sharding_strategy="NO_SHARD"``, where every rank
+holds every parameter: the route does not apply, stock's gather writes). PHASE:
 
 * ``fit``: fit 4 steps from scratch, a checkpoint every 2 steps (and last) into
   ``ckpts-<MODE>``; records the full weights and Adam state at step 4;
@@ -25,6 +27,7 @@ collectives from each checkpoint's state dicts to the end of its save).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import warnings
@@ -123,14 +126,15 @@ class CountCollectives(Callback):
 
 
 def make_trainer(d: str, mode: str, steps: int, out: str) -> tuple[Trainer, FastPersistIO | None, CountCollectives]:
-    plugin = FastPersistIO() if mode == "fastpersist" else None
+    plugin = FastPersistIO() if mode != "stock" else None
+    extra = {"sharding_strategy": "NO_SHARD"} if mode == "fallback" else {}
     mc = ModelCheckpoint(dirpath=os.path.join(d, out), every_n_train_steps=2, save_top_k=-1,
                          save_last=True, filename="s{step}")
     count = CountCollectives()
     world = int(os.environ["WORLD_SIZE"])
     t = Trainer(accelerator="cpu", devices=world,
                 strategy=CpuFSDPStrategy(state_dict_type="full", auto_wrap_policy={torch.nn.Linear},
-                                         process_group_backend="gloo"),
+                                         process_group_backend="gloo", **extra),
                 plugins=[plugin] if plugin else None, callbacks=[count, mc], max_steps=steps, logger=False,
                 enable_progress_bar=False, enable_model_summary=False, default_root_dir=d)
     return t, plugin, count
@@ -158,10 +162,21 @@ def full_state(t: Trainer, m: Net) -> dict[str, torch.Tensor]:
     return out
 
 
+class Logged(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def run(d: str, mode: str, phase: str) -> Trainer:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rec: dict = {}
     info: dict = {}
+    logged = Logged()
+    logging.getLogger("fastpersist").addHandler(logged)
     if phase == "fit":
         t, plugin, count = make_trainer(d, mode, 4, f"ckpts-{mode}")
         m = Net()
@@ -186,6 +201,8 @@ def run(d: str, mode: str, phase: str) -> Trainer:
     info["tensor_collectives"] = [c for c in count.calls if c[1]]
     info["collectives"] = sorted({c[0] for c in count.calls})
     info["global_step"] = t.global_step
+    logging.getLogger("fastpersist").removeHandler(logged)
+    info["logged"] = [m for m in logged.messages if "FSDPStrategy" in m]
     torch.save(rec, os.path.join(d, f"{mode}-{phase}-{world}-{rank}.pt"))
     with open(os.path.join(d, f"{mode}-{phase}-{world}-{rank}.json"), "w") as f:
         json.dump(info, f)

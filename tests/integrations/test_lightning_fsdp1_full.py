@@ -37,10 +37,11 @@ def _launch(d, runs: list[tuple[str, str]], nproc: int) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two launches: on 2 processes, fit (ours, stock), resume each from its own last.ckpt,
-    and stock restoring ours; then on 1 process, resume each from the 2-process file."""
+    stock restoring ours, and a fit the route does not apply to; then on 1 process, resume
+    each from the 2-process file."""
     d = tmp_path_factory.mktemp("fsdp1_full")
     _launch(d, [("fastpersist", "fit"), ("stock", "fit"), ("fastpersist", "resume"), ("stock", "resume"),
-                ("stock", "stockreads")], 2)
+                ("stock", "stockreads"), ("fallback", "fit")], 2)
     _launch(d, [("fastpersist", "resume"), ("stock", "resume")], 1)
     return d
 
@@ -135,3 +136,18 @@ def test_resume_on_two_and_one_process_is_exact(runs, world):
 def test_stock_lightning_resumes_from_our_file(runs):
     at4 = _records(runs, "fastpersist", "fit", 2)["at_4"]
     assert _same(_records(runs, "stock", "stockreads", 2)["restored"], at4)
+
+
+def test_where_the_route_cannot_apply_stock_gathers_and_says_why(runs):
+    info = _info(runs, "fallback", "fit", 2)
+    why = "sharding strategy NO_SHARD (every rank holds every parameter)"
+    assert all(r["routed"] and r["why"] == why for r in info), info
+    # said once, by rank 0; stock's gather, then rank 0 hands the file to the plugin alone
+    assert len(info[0]["logged"]) == 1 and why in info[0]["logged"][0] and not info[1]["logged"]
+    assert info[0]["stats"] == ["sstep=2.ckpt", "last.ckpt", "sstep=4.ckpt", "last.ckpt"] and info[1]["stats"] == []
+    last = runs / "ckpts-fallback" / "last.ckpt"
+    assert fp_core.verify(str(last))["bytes"] > 0
+    full = torch.load(last, weights_only=True)
+    assert list(full["state_dict"])[1:] == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias",
+                                            "net.4.weight", "net.4.bias"]
+    assert sorted(full["optimizer_states"][0]["state"]) == list(range(6))
