@@ -107,7 +107,8 @@ def _piece(flat: torch.Tensor, info: Any, shape: torch.Size) -> FlatShard:
 def model_state(model: torch.nn.Module) -> dict[str, Any]:
     """The full state dict of the FSDP1 ``model`` (the keys and order ``FULL_STATE_DICT``
     gives), every FSDP-managed parameter a FlatShard of this rank's piece, buffers and
-    other parameters plain (detached) tensors."""
+    other parameters plain tensors on the CPU (the file holds CPU tensors, as
+    ``FULL_STATE_DICT`` with ``offload_to_cpu``, Lightning's, gives them)."""
     from torch.distributed.fsdp._flat_param import FlatParameter
 
     where: dict[tuple[int, str], tuple[Any, int]] = {}  # (module, name) -> (flat_param, index)
@@ -125,13 +126,13 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
         for n in names:
             hit = where.get((id(module), n))
             if hit is None:
-                out[_clean(prefix + n)] = module._parameters[n].detach()
+                out[_clean(prefix + n)] = module._parameters[n].detach().cpu()
             else:
                 fp, i = hit
                 out[_clean(prefix + n)] = _piece(fp.detach(), fp._shard_param_infos[i], fp._shapes[i])
         for n, b in module._buffers.items():
             if b is not None and n not in module._non_persistent_buffers_set:
-                out[_clean(prefix + n)] = b.detach()
+                out[_clean(prefix + n)] = b.detach().cpu()
         for n, child in module._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{n}.")

@@ -6,7 +6,8 @@ Usage: python lightning_fsdp_gpu.py DIR [SCENARIO]   (writes DIR/result.json). S
 * ``callback`` (default): ``state_dict_type="sharded"`` (FSDP1: ShardedTensor state, saved
   by DCP with FastPersistWriter), FastPersistIO with FastPersistCallback;
 * ``alone-sharded``: the same with FastPersistIO alone (no callback): the plugin routes it;
-* ``alone-full``: ``state_dict_type="full"`` with FastPersistIO alone: one .ckpt file.
+* ``alone-full``: ``state_dict_type="full"`` with FastPersistIO alone: one .ckpt file, written
+  from the FSDP1 flat-param shards on the GPU (FlatShards, no gather).
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from flat_shard_route import route_flat_shards  # noqa: E402
+
 import fp_core  # noqa: E402
 from fp_integrations.lightning import FastPersistCallback, FastPersistIO  # noqa: E402
 
@@ -62,6 +66,7 @@ def weights(m: Net) -> dict[str, torch.Tensor]:
 def main() -> None:
     d = sys.argv[1]
     scenario = sys.argv[2] if len(sys.argv) > 2 else "callback"
+    route_flat_shards()
     t1, plugin = trainer(d, 4, scenario)
     m1 = Net()
     t1.fit(m1)
@@ -76,6 +81,9 @@ def main() -> None:
         json.dump({"listing": sorted(os.listdir(ckpts)),
                    "files": sorted(os.listdir(last)) if full is None else [],
                    "routed": getattr(t1.strategy, "_fastpersist_sharded", None) is plugin,
+                   # full: why the flat-shard route does not apply (None: every save took it)
+                   "why": t1.strategy.__dict__.get("_fastpersist_fsdp1_why", "unset"),
+                   "devices": sorted({str(v.device) for v in full["state_dict"].values()}) if full else None,
                    # a full checkpoint: stock's keys, loadable by plain torch.load
                    "full_keys": sorted(full) if full is not None else None,
                    "full_equal": None if full is None else all(

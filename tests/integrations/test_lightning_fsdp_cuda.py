@@ -1,7 +1,8 @@
 """Lightning's FSDPStrategy on a GPU with ``FastPersistIO`` alone (run by
 benchmarks/gpu_check.sh; skipped without CUDA: FSDPStrategy refuses the CPU). The plugin
 routes ``state_dict_type="sharded"`` without FastPersistCallback; ``"full"`` writes one
-.ckpt through the plugin that plain ``torch.load`` reads and the stock load resumes from."""
+.ckpt from the FSDP1 flat-param shards on the GPU (no gather) that plain ``torch.load``
+reads (CPU tensors, as stock's) and the stock load resumes from."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def test_fsdp_sharded_with_the_plugin_alone(tmp_path):
 
 def test_fsdp_full_with_the_plugin_alone(tmp_path):
     res = _run(tmp_path, "alone-full")
-    assert res["routed"] is False  # stock gathers to rank 0 and hands the file to the plugin
+    assert res["routed"] is True and res["why"] is None  # from the flat-param shards, no gather
+    assert res["devices"] == ["cpu"]  # as stock's offload_to_cpu writes them
     assert "last.ckpt" in res["listing"] and len(res["listing"]) == 3
     assert res["verified"] == {n: 1 for n in res["listing"]}  # FastPersist files, checksummed
     assert {"state_dict", "optimizer_states", "loops", "callbacks"} <= set(res["full_keys"])
