@@ -527,11 +527,17 @@ class ShardedFileSave(CollectiveSave):
         # this rank's FlatShard ranges, in elements: only together do they say whether they tile
         flat = [(x.record, x.start // self._flat[x.record][1], x.length // self._flat[x.record][1])
                 for x in self.held if x.record in self._flat]
-        return self.layout_hash, samples, flat
+        return self.layout_hash, samples, flat, sorted(self._flat)
 
     def _check_tiling(self, statuses: list[Any]) -> None:
         """Refuse, on every rank alike (each has every rank's ranges), FlatShards whose ranks'
         ranges do not cover their tensor exactly once, naming the first such tensor."""
+        for r, st in enumerate(statuses):
+            if st[2][3] != statuses[0][2][3]:
+                names = sorted({self._names[i] for i in set(st[2][3]) ^ set(statuses[0][2][3])})
+                raise CollectiveSaveError(
+                    f"sharded save of {self.final}: rank {r} holds FlatShards of other tensors than rank 0 (storage "
+                    f"records {names}): every rank must save the same state, with the same tensors as FlatShards")
         by_record: dict[int, list[tuple[int, int, int]]] = {r: [] for r in self._flat}
         for r, st in enumerate(statuses):
             for record, start, count in st[2][2]:

@@ -74,8 +74,17 @@ def test_a_tiling_gap_or_overlap_is_refused_on_every_rank(ranks, kind, why):
         assert r["unchanged"] and r["listing_same"]
 
 
-def test_async_save_writes_the_ranges_as_of_save(ranks):
-    assert all(r["async_differ"] is None for r in ranks), [r["async_differ"] for r in ranks]
+def test_flat_shards_of_other_tensors_on_another_rank_are_refused_on_every_rank(ranks):
+    for r in ranks:
+        err = r["tiling_errors"]["mixed"]
+        assert err is not None and err.startswith("CollectiveSaveError: "), err
+        assert "rank 1 holds FlatShards of other tensors than rank 0" in err
+        assert "every rank must save the same state" in err
+
+
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_async_save_writes_the_ranges_as_of_save(ranks, writer):
+    assert all(r[f"async_{writer}_differ"] is None for r in ranks), [r[f"async_{writer}_differ"] for r in ranks]
 
 
 def test_bad_flat_shards_and_formats_are_refused(ranks):

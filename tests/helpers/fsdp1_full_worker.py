@@ -171,14 +171,14 @@ def synthetic(gen: int = 0) -> dict:
 SPLITS = {"w": 96, "emb": 0, "ids": 23, "big": 600 * 1024 // 2 + 3, "one": 0, "zero": 0}
 
 
-def flat_state(full: dict, rank: int, splits: dict | None = None) -> dict:
+def flat_state(full: dict, rank: int) -> dict:
     """``full`` as FlatShards: rank 0 elements [0, split), rank 1 [split, numel); ``buf`` plain."""
     out = {}
     for k, v in full.items():
         if k == "buf":
             out[k] = v
             continue
-        lo, hi = (0, (splits or SPLITS)[k]) if rank == 0 else ((splits or SPLITS)[k], v.numel())
+        lo, hi = (0, SPLITS[k]) if rank == 0 else (SPLITS[k], v.numel())
         # a view into a larger tensor on purpose: the FlatShard's bytes are only its range
         out[k] = FlatShard(v.reshape(-1)[lo:hi], v.shape, lo)
     return {"model": out, "step": 3}
@@ -196,13 +196,15 @@ def ranges_check(d: str, rank: int, result: dict) -> None:
     result["flat_verified"] = fp_core.verify(path)["bytes"] > 0
     before = hashlib.sha256(open(path, "rb").read()).hexdigest()
     listing = sorted(os.listdir(d))
+    dist.barrier()  # both looked before rank 0 makes the next save's temp file
     errors = {}
-    for name, splits in (("gap", dict(SPLITS, w=96)), ("overlap", dict(SPLITS, w=96))):
-        bad = flat_state(synthetic(1), rank, splits)
+    for name in ("gap", "overlap", "mixed"):
+        bad = flat_state(synthetic(1), rank)
         if rank == 1:
             w = full["w"].reshape(-1)
             lo = 100 if name == "gap" else 90  # rank 0 ends at 96: elements 96..99 missing, or 90..95 twice
-            bad["model"]["w"] = FlatShard(w[lo:], full["w"].shape, lo)
+            # mixed: rank 1 holds the whole tensor, plain, where rank 0 holds a FlatShard
+            bad["model"]["w"] = full["w"] if name == "mixed" else FlatShard(w[lo:], full["w"].shape, lo)
         try:
             fp_core.save(bad, path, layout="file")
             errors[name] = None
@@ -225,13 +227,14 @@ def ranges_check(d: str, rank: int, result: dict) -> None:
         result["safetensors"] = str(e)
 
 
-def async_check(d: str, rank: int, result: dict) -> None:
-    """In the background: the ranges change in place once the fence returns; the file holds
-    the state as of save()."""
+def async_check(d: str, rank: int, result: dict, writer: str) -> None:
+    """In the background (on a thread, or in the writer process, which gets the pieces and
+    the ranges with them): the ranges change in place once the fence returns; the file
+    holds the state as of save()."""
     full = synthetic(2)
     state = flat_state(full, rank)
-    path = os.path.join(d, "async.pt")
-    ck = fp_core.AsyncCheckpointer(policy="snapshot")
+    path = os.path.join(d, f"async-{writer}.pt")
+    ck = fp_core.AsyncCheckpointer(policy="snapshot", writer=writer)
     h = ck.save(state, path, layout="file")
     ck.fence()
     with torch.no_grad():
@@ -240,7 +243,7 @@ def async_check(d: str, rank: int, result: dict) -> None:
     h.result()
     ck.close()
     dist.barrier()
-    result["async_differ"] = differ({"model": synthetic(2), "step": 3}, torch.load(path, weights_only=True))
+    result[f"async_{writer}_differ"] = differ({"model": synthetic(2), "step": 3}, torch.load(path, weights_only=True))
 
 
 def unsupported_check(result: dict) -> None:
@@ -288,7 +291,8 @@ def main() -> None:
         fsdp1_check(d, True, result)
         fsdp1_check(d, False, result)
         ranges_check(d, rank, result)
-        async_check(d, rank, result)
+        async_check(d, rank, result, "thread")
+        async_check(d, rank, result, "process")
         unsupported_check(result)
 
 
