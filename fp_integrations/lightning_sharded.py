@@ -277,8 +277,9 @@ def _fsdp1_optimizer_state(strategy: Any, optimizer: Any) -> dict[str, Any]:
 
 
 def _save_file(strategy: Any, plugin: Any, checkpoint: dict[str, Any], filepath: Any, stock_save: Any) -> None:
-    """``ModelParallelStrategy(save_distributed_checkpoint=False)``: every rank writes its own
-    rows of the one ``.ckpt`` file. Rank 0's loops, callbacks and schedulers are what the file
+    """``ModelParallelStrategy(save_distributed_checkpoint=False)`` and
+    ``FSDPStrategy(state_dict_type="full")``: every rank writes its own rows (DTensors) or
+    flat-param ranges (FlatShards) of the one ``.ckpt`` file. Rank 0's loops, callbacks and schedulers are what the file
     holds (as stock, where rank 0 alone writes): they are sent to every rank first, so the
     ranks agree on the file's layout even where a callback's state differs between them."""
     path = strategy.broadcast(filepath)
