@@ -516,10 +516,20 @@ class FastPersistCallback(_ResumeHooks, _RemoteCopies, TrainerCallback):
         should_save = args.should_save
         save_total_limit = args.save_total_limit
         distributed = self._group_ready
-        in_writer = None
-        if error is None and should_save and not distributed:
-            # writer="process": the writer commits the directory after its files, so a trainer
-            # killed from here on still gets its checkpoint (None: this process commits it)
+        in_writer: Callable[[], bool] | None = None
+        # writer="process": the writer (under DDP or FSDP, every rank's writer, together)
+        # commits the directory after its files, so a trainer killed from here on still gets
+        # its checkpoint (None: the trainers commit it)
+        if distributed:
+            why = "" if error is None else f"{type(error).__name__}: {error}"
+            try:
+                in_writer = self.checkpointer.hand_over_dir_commit(staging, final, sync_files, handles,
+                                                                   together=True, failed=why,
+                                                                   should_save=should_save)
+            except Exception as e:  # noqa: BLE001 - the writer is gone: the save fails, reported below
+                error = error or e
+                in_writer = _raises(e)  # the peers' writers fail it too: no trainer-side agreement
+        elif error is None and should_save:
             try:
                 in_writer = self.checkpointer.hand_over_dir_commit(staging, final, sync_files, handles)
             except Exception as e:  # noqa: BLE001 - the writer is gone: the save fails, reported below
@@ -588,9 +598,10 @@ class FastPersistCallback(_ResumeHooks, _RemoteCopies, TrainerCallback):
 
     def _commit(self, rec: CheckpointRecord, handles: list, sync_files: list[str], run_dir: str,
                 should_save: bool, save_total_limit: int | None, best: str | None, distributed: bool,
-                failed: bool, in_writer: Callable[[], None] | None = None) -> bool:
+                failed: bool, in_writer: Callable[[], bool] | None = None) -> bool:
         """Background worker: agree across ranks, rename staging -> checkpoint-N, rotate.
-        ``in_writer``: the writer process commits the directory; this waits for it."""
+        ``in_writer``: the writer process commits the directory; this waits for it (False:
+        the writers left it to the trainers, on every rank)."""
         ok = not failed
         nbytes = 0
         for h in handles:  # FIFO worker: all of them have finished by now
@@ -601,13 +612,15 @@ class FastPersistCallback(_ResumeHooks, _RemoteCopies, TrainerCallback):
             else:
                 nbytes += getattr(h.result(), "bytes", 0) or 0
         err: BaseException | None = None
+        committed = False
         if in_writer is not None:
             try:
-                in_writer()  # after its files; it fails where one of them failed
+                committed = in_writer()  # after its files; it fails where one of them failed
             except BaseException as e:  # noqa: BLE001
                 if ok:
                     err = e
                 ok = False
+        if in_writer is not None and (committed or not ok):
             if not ok:
                 shutil.rmtree(rec.staging, ignore_errors=True)
             rec.bytes, rec.ok = nbytes, ok
@@ -651,6 +664,12 @@ class FastPersistCallback(_ResumeHooks, _RemoteCopies, TrainerCallback):
         if not ok and not failed and not any(h.exception() for h in handles) and distributed:
             raise RuntimeError(f"checkpoint {rec.path} failed on another rank; not committed")
         return ok
+
+
+def _raises(error: BaseException) -> Callable[[], bool]:
+    def fail() -> bool:
+        raise error
+    return fail
 
 
 def _rotate_local(run_dir: str, save_total_limit: int | None, best: str | None) -> None:

@@ -720,7 +720,7 @@ class AsyncCheckpointer:
             prepared.handoff()
         handle = SaveHandle(prepared.final)
         handle._job = prepared  # a forked child lets go of its descriptors (_forget_after_fork)
-        if isinstance(prepared, ProcessSave) and not prepared.collective:
+        if isinstance(prepared, ProcessSave):
             handle._in_writer = (prepared.writer, prepared.seq)  # kept after the job: hand_over_dir_commit
         # What the writer will read from live memory: it must not be freed meanwhile.
         live = _LiveMemory([s for s in big if s.host is None], handle._staged)
@@ -777,27 +777,52 @@ class AsyncCheckpointer:
             return self.enqueue(declined, after=[])
         return self.enqueue(decline, self.group, self.timeout_s, after=[])
 
-    def hand_over_dir_commit(self, staging: str, final: str, sync_files: list[str],
-                             handles: list[Handle]) -> Callable[[], None] | None:
+    def hand_over_dir_commit(self, staging: str, final: str, sync_files: list[str], handles: list[Handle], *,
+                             together: bool = False, failed: str = "",
+                             should_save: bool = True) -> Callable[[], bool] | None:
         """With ``writer="process"``: hand the writer the commit of a checkpoint directory
         (``staging`` renamed to ``final`` once its files are durable), to run after the
         saves of ``handles`` (its files, every one a save of this writer process), even if
         this process dies first; ``sync_files`` are the other files written there (synced by
-        the writer). Returns a function that waits for the writer's outcome and raises its
-        failure: call it from a job of this checkpointer's worker (:meth:`enqueue`). None
-        where the writer process does not hold every file: the caller commits the directory."""
+        the writer). Returns a function that waits for the writer's outcome: True when the
+        writer committed it, False where the caller must (see ``together``); it raises the
+        writer's failure. Call it from a job of this checkpointer's worker (:meth:`enqueue`).
+        None where the writer process does not hold every file: the caller commits it.
+
+        ``together`` (every rank of the world calls this at the same checkpoint): the ranks'
+        writers commit the directory together, in the writers' group, the ranks with
+        ``should_save`` renaming it; ``failed`` says why this rank's part failed (the
+        checkpoint then fails on every rank). None on every rank where collective saves are
+        not the writer processes' (the trainers commit it); the function's False on every
+        rank where some rank's files are not all its writer's."""
         wp = self._writer_proc
         jobs = [getattr(h, "_in_writer", None) for h in handles]
-        if wp is None or not wp.alive or not jobs or not all(j is not None and j[0] is wp for j in jobs):
-            return None
-        seq = wp.publish_dir(staging, final, sync_files, [j[1] for j in jobs])
+        holds_all = wp is not None and all(j is not None and j[0] is wp for j in jobs)
+        if together:
+            if not self._writers.route:
+                return None  # alike on every rank: collective saves are the thread writer's
+            if wp is None or wp is not self._writers.writer or not wp.alive:
+                from ..parallel.distributed import CollectiveSaveError
 
-        def wait() -> None:
-            msg = wp.result(seq)
+                def gone() -> bool:  # the peers' writers find this rank's gone: they fail too
+                    raise CollectiveSaveError(f"{final}: not committed: this rank's checkpoint writer process is "
+                                              "gone, and with it the writers' group")
+                return gone
+            seq = wp.publish_dir(staging, final, sync_files, [j[1] for j in jobs if j is not None],
+                                 together={"holds_all": holds_all, "failed": failed, "should_save": should_save})
+        else:
+            if not jobs or not holds_all or wp is None or not wp.alive:
+                return None
+            seq = wp.publish_dir(staging, final, sync_files, [j[1] for j in jobs])
+        writer = wp
+
+        def wait() -> bool:
+            msg = writer.result(seq)
             if msg[0] == "failed":
                 from .process_writer import _wire_error
 
                 raise _wire_error(msg)
+            return not msg[2].get("here", False)
 
         return wait
 

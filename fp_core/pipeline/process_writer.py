@@ -141,9 +141,12 @@ class WriterProcess:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
 
-    def publish_dir(self, staging: str, final: str, sync: list[str], after: list[int]) -> int:
+    def publish_dir(self, staging: str, final: str, sync: list[str], after: list[int],
+                    together: dict | None = None) -> int:
         """Hand over the commit of the directory ``staging`` as ``final``, to run once the
-        jobs ``after`` (its files) have committed; returns its sequence number."""
+        jobs ``after`` (its files) have committed; returns its sequence number.
+        ``together``: every rank's writer commits it (``holds_all``, ``failed``,
+        ``should_save`` of this rank; ``writer_main._publish_together``)."""
         seq = self.next_seq()
         # marked like a file's job: a restart listing the checkpoints waits for it, and does
         # not take its staging directory for a crashed run's
@@ -152,7 +155,7 @@ class WriterProcess:
         try:
             self.send(("publish", seq, {"staging": os.path.abspath(staging), "final": os.path.abspath(final),
                                         "sync": [os.path.abspath(p) for p in sync], "after": list(after),
-                                        "mark": mark}))
+                                        "mark": mark, **({"together": True, **together} if together else {})}))
         except BaseException:
             memory_image.unmark_job(mark=mark)
             raise

@@ -14,6 +14,7 @@ process exits: it never outlives its last commit.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import queue
@@ -170,6 +171,7 @@ def _join(spec: dict) -> tuple:
 
     import torch.distributed as dist
 
+    store = None
     try:
         if dist.is_initialized():
             from fp_core.parallel import dcp_save
@@ -178,13 +180,19 @@ def _join(spec: dict) -> tuple:
             dist.destroy_process_group()
         kind, host, port = spec["store"]
         timeout = datetime.timedelta(seconds=spec["timeout"])
-        # the trainers' own store, as a client: it lives while every trainer joins
+        # the trainers' own store, as a client: the trainers wait there until every writer
+        # has joined (the "joined" keys), so it lives while the group forms
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
         dist.init_process_group("gloo", store=dist.PrefixStore(spec["prefix"], store), rank=spec["rank"],
                                 world_size=spec["world"], timeout=timeout)
-        return ("ok", store)
     except Exception as e:  # noqa: BLE001 - every collective job of this writer fails with it
-        return ("failed", f"{type(e).__name__}: {e}")
+        why = f"{type(e).__name__}: {e}"
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(f"{spec['joined']}/{spec['rank']}", "0 " + why)
+        return ("failed", why)
+    store.set(f"{spec['joined']}/{spec['rank']}", "1")
+    return ("ok", store)
 
 
 def _in_group(group: Any) -> None:
@@ -262,16 +270,19 @@ def _decline(group: Any) -> dict:
     return {}
 
 
-def _publish(spec: dict, outcomes: dict[int, bool]) -> dict:
+def _publish(spec: dict, outcomes: dict[int, bool], group: Any) -> dict:
     """Commit a checkpoint directory whose files were this writer's jobs ``spec["after"]``
     (the HF Trainer's ``checkpoint-N``): once every one of them committed, the other files
     the trainer wrote there synced, the directory's manifest written, and the directory
     renamed into place (:func:`fp_core.saving.commit.publish_dir`). Here, not on the trainer: a
-    trainer killed after its fence still gets its checkpoint."""
+    trainer killed after its fence still gets its checkpoint. ``spec["together"]``: every
+    rank's writer has such a job (a checkpoint of every rank's files), see :func:`_publish_together`."""
     from fp_core.errors import CheckpointError
     from fp_core.loading import checkpoint_dir
     from fp_core.saving import commit
 
+    if spec.get("together"):
+        return _publish_together(spec, outcomes, group)
     staging, final = spec["staging"], spec["final"]
     missing = [s for s in spec["after"] if not outcomes.get(s)]
     if missing:
@@ -280,6 +291,63 @@ def _publish(spec: dict, outcomes: dict[int, bool]) -> dict:
         commit.fsync_file(p)
     checkpoint_dir.write_dir_manifest(staging)
     commit.publish_dir(staging, final)
+    return {}
+
+
+def _publish_together(spec: dict, outcomes: dict[int, bool], group: Any) -> dict:
+    """A directory every rank wrote files into (the HF Trainer under DDP or FSDP): each
+    writer syncs its rank's files once its jobs are done, the writers agree in their group
+    that every rank's are durable, the ranks that save (``should_save``) write the manifest
+    and rename the directory, and every writer learns the outcome. ``{"here": True}``: some
+    rank's files are not all its writer's jobs (a save the thread writer took), so the
+    trainers commit the directory themselves, on every rank alike."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from fp_core.errors import CheckpointError
+    from fp_core.loading import checkpoint_dir
+    from fp_core.saving import commit
+
+    _in_group(group)
+    staging, final = spec["staging"], spec["final"]
+    why = spec.get("failed") or ""
+    if not why and spec["holds_all"]:
+        missing = [s for s in spec["after"] if not outcomes.get(s)]
+        if missing:
+            why = f"{len(missing)} of this rank's files were not written"
+        else:
+            try:
+                for p in spec["sync"]:
+                    commit.fsync_file(p)
+            except OSError as e:
+                why = f"{type(e).__name__}: {e}"
+    flags = torch.tensor([0 if why else 1, 1 if spec["holds_all"] else 0], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    if not flags[1]:
+        return {"here": True}
+    done: BaseException | None = None
+    if spec["should_save"]:
+        try:
+            if flags[0]:
+                checkpoint_dir.write_dir_manifest(staging)
+                commit.publish_dir(staging, final)
+            else:
+                shutil.rmtree(staging, ignore_errors=True)
+        except BaseException as e:  # noqa: BLE001 - every writer learns it below
+            done = e
+            shutil.rmtree(staging, ignore_errors=True)
+    committed = torch.tensor([0 if done is not None else 1], dtype=torch.int32)
+    dist.all_reduce(committed, op=dist.ReduceOp.MIN)  # no rank moves on before the directory is there
+    if why:
+        raise CheckpointError(f"{final}: not committed: {why}")
+    if not flags[0]:
+        raise CheckpointError(f"{final}: not committed: another rank's files failed")
+    if done is not None:
+        raise done
+    if not committed[0]:
+        raise CheckpointError(f"{final}: not committed: its commit failed on another rank")
     return {}
 
 
@@ -364,7 +432,7 @@ def main(argv: list[str]) -> int:
                 elif kind == "decline":
                     report = ("done", seq, _decline(group))
                 elif kind == "publish":
-                    report = ("done", seq, _publish(spec, outcomes))
+                    report = ("done", seq, _publish(spec, outcomes, group))
                 else:
                     report = ("done", seq, _run(spec, resume, released))
             except BaseException as e:  # noqa: BLE001 - reported to the trainer, never dropped

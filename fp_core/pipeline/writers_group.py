@@ -13,13 +13,25 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import secrets
 import time
 from typing import Any
 
 from .process_writer import WriterProcess
 
+log = logging.getLogger("fastpersist")
+
 _joins = itertools.count()  # writers' groups joined by this process: the same order on every rank
+
+
+def _underlying(store: Any) -> Any:
+    """The store under any prefixes (where the writers, its clients, set their keys)."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
 
 
 def _store_address(store: Any) -> tuple | None:
@@ -27,8 +39,7 @@ def _store_address(store: Any) -> tuple | None:
     TCPStore under any prefixes, else None."""
     import torch.distributed as dist
 
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
+    store = _underlying(store)
     if isinstance(store, dist.TCPStore):
         return ("tcp", store.host, store.port)
     return None
@@ -44,8 +55,9 @@ def join_writers(writer: WriterProcess | None, timeout_s: float) -> str | None:
     reach. If so, every rank hands its writer a ``join``, in its job order: the writers meet
     at the trainers' store itself (its host and port, as this rank reached it: across
     nodes too), under a prefix of their own; a writer already in a group leaves it first.
-    Returns the store key under which the ranks agreed (unique to this join), or None:
-    collective saves stay on the thread writer, on every rank."""
+    Every rank waits until every writer has joined. Returns the store key under which the
+    ranks agreed (unique to this join), or None: collective saves stay on the thread
+    writer, on every rank."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
@@ -62,8 +74,30 @@ def join_writers(writer: WriterProcess | None, timeout_s: float) -> str | None:
         return None
     assert writer is not None
     nonce = store.get(f"{key}/nonce").decode()
+    prefix = f"fastpersist-writers/{nonce}"
     writer.send(("join", writer.next_seq(), {"store": where, "rank": rank, "world": world, "timeout": timeout_s,
-                                             "prefix": f"fastpersist-writers/{nonce}"}))
+                                             "prefix": prefix, "joined": f"{prefix}.joined"}))
+    # The writers form the group in their job order, at the trainers' store: wait for them
+    # here, so that a trainer killed after this save's fence (the store's host too) never
+    # leaves its writer unable to join. Rank 0 decides for all, so every rank takes the same
+    # route even at the timeout's edge.
+    verdict, raw = f"{key}/verdict", _underlying(store)
+    if rank == 0:
+        ok = "1"
+        try:
+            raw.wait([f"{prefix}.joined/{r}" for r in range(world)], datetime.timedelta(seconds=timeout_s))
+            failed = [(r, v) for r in range(world) if (v := raw.get(f"{prefix}.joined/{r}")) != b"1"]
+            if failed:
+                ok = "0 " + "; ".join(f"rank {r}: {v.decode(errors='replace')[2:]}" for r, v in failed)
+        except Exception as e:  # noqa: BLE001 - a store timeout: some writer never joined
+            ok = f"0 not every writer joined within {timeout_s:.0f} s ({type(e).__name__})"
+        store.set(verdict, ok)
+    store.wait([verdict], datetime.timedelta(seconds=2 * timeout_s))
+    said = store.get(verdict).decode(errors="replace")
+    if said != "1":
+        log.warning("fastpersist: the checkpoint writer processes could not form their group (%s): collective "
+                    "saves go to the thread writer", said[2:])
+        return None
     return f"{key}/{nonce}"
 
 

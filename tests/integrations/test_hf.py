@@ -5,13 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import uuid
 import warnings
 import zipfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -41,6 +44,9 @@ from fp_core.loading.checkpoint_dir import DIR_MANIFEST, read_dir_manifest  # no
 from fp_core.pipeline.checkpointer import AsyncCheckpointer  # noqa: E402
 from fp_integrations._policy import FastPersistWarning  # noqa: E402
 from fp_integrations.hf import STAGING_PREFIX, FastPersistCallback, intercept_safetensors_writes  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers"))
+from process_writer_victim import wait_gone  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/integrations/ -> repo
 CKPT_FILES = {"config.json", "model.safetensors", "optimizer.pt", "rng_state.pth", "scheduler.pt",
@@ -413,12 +419,33 @@ def test_detach_gives_the_trainer_its_stock_methods_back(tmp_path):
     assert os.path.isfile(tmp_path / "stock" / "model.safetensors")
 
 DIST_SCRIPT = textwrap.dedent("""
-    import os, sys, json, torch
+    import os, signal, sys, json, time, torch
+    import torch.distributed as dist
     sys.path.insert(0, {repo!r})
     sys.path.insert(0, {here!r})
     from test_hf import TokenDataset, tiny_bert, make_args, StopAt
-    from transformers import Trainer
+    from transformers import Trainer, TrainerCallback
     from fp_integrations.hf import FastPersistCallback
+    # At step 4's start, once checkpoint-3's fence has passed on both ranks (its files and
+    # the directory's commit in the writers' hands), rank 0 (the rank that saves) is
+    # SIGKILLed; torchrun then stops rank 1 (SIGTERM).
+    class KillRank0AfterTheFence(TrainerCallback):
+        def __init__(self, cb):
+            self.cb = cb
+        def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == 3:
+                self.cb.fence()
+                with open(os.path.join(args.output_dir, f"writer{{args.process_index}}.pid"), "w") as f:
+                    f.write(str(self.cb.checkpointer._writer_proc.pid))
+                dist.barrier()
+                if args.process_index == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(120)  # rank 1: until torchrun's SIGTERM (not an error from rank 0's death)
+    def killed(out):
+        cb = FastPersistCallback(all_ranks_write=True, writer="process")
+        t = Trainer(model=tiny_bert(), args=make_args(out, max_steps=6, save_steps=3), train_dataset=TokenDataset(),
+                    callbacks=[cb, KillRank0AfterTheFence(cb)])
+        t.train()
     def run(out, all_ranks_write):
         def trainer(cbs):
             cb = FastPersistCallback(all_ranks_write=all_ranks_write)
@@ -438,28 +465,35 @@ DIST_SCRIPT = textwrap.dedent("""
                "optimizer_writers": [h.result().writers for h in opt]}}
         with open(os.path.join(out, f"result_{{rank}}.json"), "w") as f:
             json.dump(res, f)
-    # OUT ALL_RANKS_WRITE pairs, one run after the other in this launch (each its own
-    # Trainers, callbacks and directory; a launch imports torch and transformers again)
+    # OUT MODE pairs, one run after the other in this launch (each its own Trainers,
+    # callbacks and directory; a launch imports torch and transformers again): MODE is
+    # ALL_RANKS_WRITE (0 or 1), or "kill" (last: it ends the launch)
     for i in range(1, len(sys.argv), 2):
-        run(sys.argv[i], sys.argv[i + 1] == "1")
+        if sys.argv[i + 1] == "kill":
+            killed(sys.argv[i])
+        else:
+            run(sys.argv[i], sys.argv[i + 1] == "1")
 """)
 
 
 @pytest.fixture(scope="module")
-def torchrun_outs(tmp_path_factory) -> dict:
+def torchrun_outs(tmp_path_factory) -> Iterator[dict]:
     """One torchrun launch (2 CPU processes) runs DIST_SCRIPT for all_ranks_write False, then
-    True, each into its own directory: {all_ranks_write: its output directory}."""
+    True, then the run whose rank 0 is killed, each into its own directory: {mode: its
+    output directory} (mode: all_ranks_write, or "kill")."""
     tmp_path = tmp_path_factory.mktemp("torchrun")
     script = tmp_path / "dist_train.py"
     script.write_text(DIST_SCRIPT.format(repo=REPO, here=os.path.dirname(os.path.abspath(__file__))))
-    outs = {False: tmp_path / "out0", True: tmp_path / "out1"}
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    outs = {False: tmp_path / "out0", True: tmp_path / "out1", "kill": tmp_path / "out-kill"}
+    shm = os.path.join("/dev/shm", "fp-pw-" + uuid.uuid4().hex[:8])  # the writer processes' arenas
+    os.mkdir(shm)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", PYTHONPATH=REPO, FASTPERSIST_SHM_DIR=shm)
     with socket.socket() as s:  # torchrun's --master_port 0 hangs with the static rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                              "--master_addr", "127.0.0.1", "--master_port", str(port), str(script),
-                             str(outs[False]), "0", str(outs[True]), "1"],
+                             str(outs[False]), "0", str(outs[True]), "1", str(outs["kill"]), "kill"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -468,8 +502,11 @@ def torchrun_outs(tmp_path_factory) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both workers
         stdout, stderr = proc.communicate()
         pytest.fail("torchrun run timed out:\n" + stdout[-2000:] + stderr[-4000:])
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
-    return outs
+    assert proc.returncode != 0, "rank 0 of the last run was to be killed"
+    assert "Signal 9" in stderr or "SIGKILL" in stderr, stdout[-3000:] + stderr[-5000:]
+    outs["shm"] = shm
+    yield outs
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.parametrize("all_ranks_write", [False, True])
@@ -488,6 +525,23 @@ def test_torchrun_two_cpu_processes(torchrun_outs, all_ranks_write):
     assert res[0]["optimizer_writers"] == [2 if all_ranks_write else 1]
     assert res[1]["optimizer_writers"] == ([2] if all_ranks_write else [])
     fp_core.verify(out / "checkpoint-6" / "optimizer.pt")
+
+
+def test_torchrun_rank_0_killed_after_the_fence_still_gets_its_checkpoint(torchrun_outs):
+    """DDP with writer="process": checkpoint-3's directory is committed by the ranks'
+    writer processes together (rank 0's writer renames it), not by the trainers, so rank
+    0's trainer killed right after the fence (and rank 1's, stopped by torchrun) loses nothing."""
+    out = torchrun_outs["kill"]
+    for r in (0, 1):
+        assert wait_gone(int((out / f"writer{r}.pid").read_text()), 60), f"rank {r}'s writer did not finish"
+    fp_core.api.wait_for_writers(out)
+    assert checkpoints(out) == ["checkpoint-3"] and no_staging(out)
+    files = (FP_CKPT_FILES - {"rng_state.pth"}) | {"rng_state_0.pth", "rng_state_1.pth"}
+    assert set(os.listdir(out / "checkpoint-3")) == files
+    assert set(read_dir_manifest(out / "checkpoint-3")["files"]) == files - {DIR_MANIFEST}
+    for name in ("optimizer.pt", "model.safetensors", "scheduler.pt"):
+        fp_core.verify(out / "checkpoint-3" / name)
+    assert os.listdir(os.path.join(torchrun_outs["shm"], f"fastpersist-{os.geteuid()}")) == []
 
 
 def _flip_tensor_byte(path):
