@@ -11,6 +11,7 @@ from .errors import (
     CorruptCheckpointError,
     NotAFastPersistCheckpoint,
 )
+from .format.flat_shard import FlatShard
 from .io.engine import EngineOptions
 from .loading.sharded_load import LoadIntoStats
 from .pipeline.checkpointer import AsyncCheckpointer, AsyncCheckpointError, Handle, SaveHandle
@@ -31,6 +32,7 @@ __all__ = [
     "inspect",
     "clean",
     "EngineOptions",
+    "FlatShard",
     "SaveStats",
     "CheckpointError",
     "CheckpointSerializationError",

@@ -11,6 +11,7 @@ from typing import Any
 
 _DTENSOR_MODULE = "torch.distributed.tensor"
 _SHARDED_TENSOR_MODULE = "torch.distributed._shard.sharded_tensor"
+_FLAT_SHARD_MODULE = "fp_core.format.flat_shard"
 
 
 def dtensor_type() -> type | None:
@@ -21,6 +22,12 @@ def dtensor_type() -> type | None:
 def sharded_tensor_type() -> type | None:
     """``ShardedTensor``, when its module has been imported."""
     return getattr(sys.modules.get(_SHARDED_TENSOR_MODULE), "ShardedTensor", None)
+
+
+def flat_shard_type() -> type | None:
+    """``FlatShard`` (a rank's element range of a tensor: FSDP1's flat parameters), when
+    its module has been imported."""
+    return getattr(sys.modules.get(_FLAT_SHARD_MODULE), "FlatShard", None)
 
 
 def _holds(obj: Any, kinds: tuple[type, ...]) -> bool:
@@ -61,10 +68,11 @@ def map_containers(obj: Any, fn: Callable[[Any], Any]) -> Any:
     return obj
 
 
-
 def is_sharded(obj: Any) -> bool:
-    """Does ``obj`` hold a ``DTensor`` or ``ShardedTensor`` (so that only DCP can save it)?"""
-    return _holds(obj, tuple(t for t in (dtensor_type(), sharded_tensor_type()) if t is not None))
+    """Does ``obj`` hold a ``DTensor``, ``ShardedTensor`` or ``FlatShard`` (saved by every
+    rank of its group: a DCP directory, or one file with ``layout="file"``)?"""
+    kinds = (dtensor_type(), sharded_tensor_type(), flat_shard_type())
+    return _holds(obj, tuple(t for t in kinds if t is not None))
 
 
 def has_sharded_tensor(obj: Any) -> bool:
@@ -74,4 +82,11 @@ def has_sharded_tensor(obj: Any) -> bool:
     return kind is not None and _holds(obj, (kind,))
 
 
-__all__ = ["is_sharded", "has_sharded_tensor", "dtensor_type", "sharded_tensor_type", "map_containers"]
+def has_flat_shard(obj: Any) -> bool:
+    """Does ``obj`` hold a ``FlatShard`` (saved only as one file, ``layout="file"``)?"""
+    kind = flat_shard_type()
+    return kind is not None and _holds(obj, (kind,))
+
+
+__all__ = ["is_sharded", "has_flat_shard", "has_sharded_tensor", "dtensor_type", "sharded_tensor_type", "flat_shard_type",
+           "map_containers"]

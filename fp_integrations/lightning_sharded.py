@@ -109,18 +109,6 @@ def _is_fsdp(strategy: Any) -> bool:
     return "FSDPStrategy" in _class_names(strategy)
 
 
-def _flat_shards_routed() -> bool:
-    """Does this fp_core route a state holding FlatShards to the one-file save? (It does
-    once ``fp_core.sharded.is_sharded`` knows them; before, such a state would be saved as a
-    plain collective one, which it cannot be.)"""
-    import torch
-
-    from fp_core.parallel.sharded_file import FlatShard
-    from fp_core.sharded import is_sharded
-
-    return is_sharded({"x": FlatShard(torch.empty(0), (0,), 0)})
-
-
 def fsdp1_full_why(strategy: Any) -> str | None:
     """Why ``FSDPStrategy(state_dict_type="full")``'s checkpoints cannot be written by every
     rank from its flat-param shards (then they are stock's gather to rank 0), or None when
@@ -130,9 +118,7 @@ def fsdp1_full_why(strategy: Any) -> str | None:
         return strategy.__dict__["_fastpersist_fsdp1_why"]
     from fp_core.parallel.sharded_file import fsdp1_flat
 
-    if not _flat_shards_routed():
-        why = "this fp_core does not route FlatShard state to layout=\"file\" (fp_core.sharded.is_sharded)"
-    elif strategy.kwargs.get("use_orig_params") is False:
+    if strategy.kwargs.get("use_orig_params") is False:
         why = "use_orig_params=False (stock keys the optimizer state by parameters FSDP1 has flattened)"
     else:
         optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]

@@ -32,7 +32,7 @@ from ..format.plan import FilePlan, StorageExtent, align_up
 from ..format.skeleton import SparseFile
 from ..io.engine import EngineOptions
 from ..io.writer import device_work_after_save
-from ..sharded import dtensor_type, map_containers, sharded_tensor_type
+from ..sharded import dtensor_type, has_flat_shard, map_containers, sharded_tensor_type
 from ..stats import SaveStats
 from .dcp import FastPersistWriter, check_extra_files, staging_path
 from .distributed import DEFAULT_TIMEOUT_S, coordination_group
@@ -156,6 +156,9 @@ class DcpSave:
                  extra_files: dict[str, bytes] | None = None) -> None:
         t0 = time.perf_counter()
         self.final = os.path.abspath(os.fspath(path))
+        if has_flat_shard(obj):  # on every rank alike, before any collective
+            raise ValueError(f"{self.final}: a state holding FlatShards (element ranges of FSDP1's flat parameters) "
+                             "is saved as one file of the full state: layout=\"file\"")
         self.options = options or EngineOptions()
         self.extra_files = check_extra_files(extra_files or {})
         self.cg = coordination_group(group, timeout_s)

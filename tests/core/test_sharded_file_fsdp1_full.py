@@ -5,6 +5,7 @@ gloo processes: one launch runs every check (tests/helpers/fsdp1_full_worker.py)
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import HELPERS, rank_results
 
 sys.path.insert(0, HELPERS)
 
+import fp_core  # noqa: E402
 from fp_core.format.flat_shard import FlatShard, tiling_problem  # noqa: E402
 
 
@@ -136,9 +138,12 @@ def test_flat_shard_checks_its_range():
         FlatShard([1.0], (1,), 0)
 
 
-@pytest.mark.xfail(strict=True, reason="needs fp_core/sharded.py's is_sharded to know FlatShard "
-                   "(tests/helpers/flat_shard_route.py installs it in the ranks meanwhile)")
-def test_is_sharded_knows_flat_shard():
-    from fp_core.sharded import is_sharded
+def test_is_sharded_knows_flat_shard_and_dcp_refuses_it(tmp_path):
+    from fp_core.sharded import has_flat_shard, is_sharded
 
-    assert is_sharded({"w": FlatShard(torch.zeros(2), (4,), 0)})
+    state = {"w": FlatShard(torch.zeros(2), (4,), 0)}
+    assert is_sharded(state) and has_flat_shard(state) and not has_flat_shard({"w": torch.zeros(2)})
+    for layout in (None, "dcp"):  # only one file of the full state can hold element ranges
+        with pytest.raises(ValueError, match='FlatShards.*layout="file"'):
+            fp_core.save(state, tmp_path / "x", layout=layout)
+    assert os.listdir(tmp_path) == []

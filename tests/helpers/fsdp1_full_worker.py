@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from flat_shard_route import route_flat_shards  # noqa: E402
 from rank_report import join, reported  # noqa: E402
 from sharded_file_fsdp1_worker import differ  # noqa: E402
 
@@ -285,7 +284,6 @@ def main() -> None:
     rank, world, d, scenario = join()
     result: dict = {"rank": rank}
     with reported(d, rank, result):
-        route_flat_shards()
         if scenario != "all":
             raise ValueError(scenario)
         fsdp1_check(d, True, result)

@@ -40,7 +40,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from flat_shard_route import route_flat_shards  # noqa: E402
 from fsdp1_full_worker import Collectives  # noqa: E402
 
 from fp_integrations.lightning import FastPersistIO  # noqa: E402
@@ -211,7 +210,6 @@ def run(d: str, mode: str, phase: str) -> Trainer:
 
 def main() -> None:
     _no_offload_on_cpu()
-    route_flat_shards()
     args = sys.argv[1:]
     assert args and len(args) % 3 == 0, args
     for i in range(0, len(args), 3):

@@ -24,7 +24,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from flat_shard_route import route_flat_shards  # noqa: E402
 
 import fp_core  # noqa: E402
 from fp_integrations.lightning import FastPersistCallback, FastPersistIO  # noqa: E402
@@ -66,7 +65,6 @@ def weights(m: Net) -> dict[str, torch.Tensor]:
 def main() -> None:
     d = sys.argv[1]
     scenario = sys.argv[2] if len(sys.argv) > 2 else "callback"
-    route_flat_shards()
     t1, plugin = trainer(d, 4, scenario)
     m1 = Net()
     t1.fit(m1)
