@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from .. import _native
 
@@ -20,6 +20,11 @@ class EngineOptions:
 
     Staging memory is ``(queue_depth + copy_threads) * chunk_bytes`` (72 MiB by default),
     allocated once per process and reused; it never grows with the checkpoint.
+
+    ``share_queue``: where several ranks on one host write one collective file at once,
+    each takes ``queue_depth`` divided among them (at least 2), so the host's disk sees
+    about one writer's queue, not one per rank (deep queues from several processes under one
+    device lose bandwidth, and each holds its staging memory).
     """
 
     backend: str = field(default_factory=lambda: os.environ.get("FASTPERSIST_BACKEND", "auto"))
@@ -27,6 +32,7 @@ class EngineOptions:
     chunk_bytes: int = 4 << 20
     copy_threads: int = 2
     io_threads: int = 4
+    share_queue: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -43,6 +49,12 @@ class EngineOptions:
         names = {f.name for f in fields(cls)}
         mine = {k: options.pop(k) for k in list(options) if k in names}
         return cls(**mine), options
+
+    def for_ranks_on_host(self, n: int) -> EngineOptions:
+        """The options for one of ``n`` ranks on a host writing at once (``share_queue``)."""
+        if not self.share_queue or n <= 1:
+            return self
+        return replace(self, queue_depth=max(2, self.queue_depth // n))
 
     def staging_bytes(self) -> int:
         return (self.queue_depth + self.copy_threads) * self.chunk_bytes

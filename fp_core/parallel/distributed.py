@@ -166,6 +166,11 @@ def _collective(fn: Any, what: str) -> Any:
         raise CollectiveSaveError(f"a peer rank died or timed out during a collective save ({what}): {e}") from e
 
 
+# coordination group -> its ranks on this host, from a collective save's host names
+# (``EngineOptions.share_queue``)
+_ranks_on_host: dict[Any, int] = {}
+
+
 def _all_gather(obj: Any, group: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     _collective(lambda: dist.all_gather_object(out, obj, group=group), "all_gather")
@@ -238,9 +243,12 @@ class CollectiveSave:
             return self._run(on_body_written)
 
     def _run(self, on_body_written: Any) -> SaveStats:
-        cg, final, opts, plan = self.cg, self.final, self.opts, self.plan
+        cg, final, plan = self.cg, self.final, self.plan
         rank, world = dist.get_rank(cg), dist.get_world_size(cg)
         stats = self.stats
+        # the engines' queues shared among this host's ranks; known from the first save's
+        # host names on (queue depth is this rank's own: no rank needs to agree with it)
+        opts = self.opts = self.opts.for_ranks_on_host(_ranks_on_host.get(cg, 1))
 
         # 1. rank 0 validates the target and creates the temp file; everyone learns the outcome.
         engine = None
@@ -290,6 +298,11 @@ class CollectiveSave:
             else:
                 status = (False, f"{type(self.plan_error).__name__}: {self.plan_error}", {}, socket.gethostname())
             statuses = _all_gather(status, cg)
+            if cg not in _ranks_on_host:
+                if len(_ranks_on_host) > 64:  # groups of earlier writers' groups
+                    _ranks_on_host.clear()
+                _ranks_on_host[cg] = sum(1 for s in statuses if s[3] == status[3])
+                opts = self.opts = self.opts.for_ranks_on_host(_ranks_on_host[cg])  # the engine not yet opened
             if _failures(statuses):
                 if self.plan_error is not None:
                     raise CheckpointSerializationError(
@@ -322,6 +335,7 @@ class CollectiveSave:
             statuses2 = _all_gather(status2, cg)
             if _failures(statuses2):
                 raise CollectiveSaveError(f"collective save of {final} failed: {'; '.join(_failures(statuses2))}")
+            stats.extra["queue_depth"] = engine.queue_depth if engine is not None else opts.queue_depth
 
             # 4. rank 0 writes the tail and commits; everyone learns the outcome.
             outcome = (True, "")

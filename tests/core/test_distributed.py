@@ -81,6 +81,9 @@ def test_replica_save_splits_bytes_and_matches_single_writer(ddir, world):
     path = os.path.join(ddir, "ckpt.pt")
     size = os.path.getsize(path)
     assert all(r["writers"] == world for r in results)
+    # the ranks on this host share one writer's queue (EngineOptions.share_queue): known from
+    # the first save's host names on (rank 0 opens its engine before them, at full depth)
+    assert [r["depths"] for r in results] == [[16, 16 // world]] + [[16 // world] * 2] * (world - 1), results
     # each rank wrote within one block of N/W of the body (rank 0 also wrote the tail)
     tail = size - results[0]["tail_start"]
     for r in results:

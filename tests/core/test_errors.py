@@ -200,6 +200,13 @@ def test_an_early_write_that_stalls_before_the_layout_is_redone_leaves_its_file(
     assert_no_temps(disk_dir)
 
 
+def test_engine_queue_shared_by_a_hosts_ranks():
+    o = fp_core.EngineOptions()
+    assert o.for_ranks_on_host(1) is o and o.for_ranks_on_host(4).queue_depth == 4
+    assert o.for_ranks_on_host(64).queue_depth == 2  # never below two writes in flight
+    assert fp_core.EngineOptions(share_queue=False).for_ranks_on_host(4).queue_depth == 16
+
+
 def test_unknown_options_and_format(disk_dir):
     path = os.path.join(disk_dir, "x.pt")
     with pytest.raises(TypeError):

@@ -38,9 +38,10 @@ def main() -> None:
     try:
         path = os.path.join(d, "ckpt.pt")
         if scenario == "replica":
-            st = fp_core.save(state(), path, group=dist.group.WORLD)
+            depths = [fp_core.save(state(), path, group=dist.group.WORLD).extra["queue_depth"]]
+            st = fp_core.save(state(), path, group=dist.group.WORLD)  # the host's ranks known now
             result.update(writers=st.writers, rank_bytes=st.extra["rank_bytes"], ranks=st.extra["writer_ranks"],
-                          tail_start=st.extra["tail_start"])
+                          tail_start=st.extra["tail_start"], depths=depths + [st.extra["queue_depth"]])
         elif scenario.startswith("topology:"):
             topo = json.loads(scenario.split(":", 1)[1])
             st = fp_core.save(state(), path, group=dist.group.WORLD, topology=topo)
