@@ -612,15 +612,18 @@ class FastPersistCallback(_ResumeHooks, _RemoteCopies, TrainerCallback):
             else:
                 nbytes += getattr(h.result(), "bytes", 0) or 0
         err: BaseException | None = None
-        committed = False
+        committed = raised = False
         if in_writer is not None:
             try:
                 committed = in_writer()  # after its files; it fails where one of them failed
             except BaseException as e:  # noqa: BLE001
                 if ok:
                     err = e
-                ok = False
-        if in_writer is not None and (committed or not ok):
+                ok, raised = False, True
+        # done here where the writers committed or failed it (alike on every rank); where they
+        # left it to the trainers (False on every rank), every rank goes on to the agreement,
+        # even one whose own part failed
+        if in_writer is not None and (committed or raised):
             if not ok:
                 shutil.rmtree(rec.staging, ignore_errors=True)
             rec.bytes, rec.ok = nbytes, ok

@@ -171,6 +171,11 @@ def _collective(fn: Any, what: str) -> Any:
 _ranks_on_host: dict[Any, int] = {}
 
 
+def forget_groups() -> None:
+    """A writer process leaves its group: what was learnt of it goes with it."""
+    _ranks_on_host.clear()
+
+
 def _all_gather(obj: Any, group: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size(group)
     _collective(lambda: dist.all_gather_object(out, obj, group=group), "all_gather")

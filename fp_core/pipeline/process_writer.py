@@ -103,6 +103,10 @@ class WriterProcess:
         # the same socket, for the descriptors of live shared-memory tensors (SCM_RIGHTS)
         self._sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self._released: set[int] = set()
+        # jobs run in the writers' group, and the last of them that failed: a failure there
+        # may leave the group's collectives out of step (writers_group forms it again)
+        self._group_jobs: set[int] = set()
+        self.group_failed_at = -1
         self.pid = self.proc.pid
         self._gone: str | None = None
         self.commits = 0  # saves committed by this writer
@@ -119,6 +123,8 @@ class WriterProcess:
         from multiprocessing.reduction import ForkingPickler
 
         data = bytes(ForkingPickler.dumps(msg))  # a message that cannot be pickled fails here, whole
+        if msg[0] in ("collective", "decline") or (msg[0] == "publish" and msg[2].get("together")):
+            self._group_jobs.add(msg[1])
         try:
             with self._send_lock:
                 self.conn.send_bytes(data)
@@ -151,13 +157,18 @@ class WriterProcess:
         # marked like a file's job: a restart listing the checkpoints waits for it, and does
         # not take its staging directory for a crashed run's
         mark = os.path.join(self.dir, f"{self.lock.key}-publish-{seq}{memory_image.JOB_SUFFIX}")
-        memory_image.mark_job("", final, mark=mark)
+        try:
+            memory_image.mark_job("", final, mark=mark)
+        except BaseException:
+            self.skip(seq)
+            raise
         try:
             self.send(("publish", seq, {"staging": os.path.abspath(staging), "final": os.path.abspath(final),
                                         "sync": [os.path.abspath(p) for p in sync], "after": list(after),
                                         "mark": mark, **({"together": True, **together} if together else {})}))
         except BaseException:
             memory_image.unmark_job(mark=mark)
+            self.skip(seq)  # or the writer would wait for it before every later job
             raise
         return seq
 
@@ -184,6 +195,10 @@ class WriterProcess:
                 raise WriterProcessError(self._gone) from e
             if msg[0] in ("done", "failed"):
                 self._results[msg[1]] = msg
+                if msg[1] in self._group_jobs:
+                    self._group_jobs.discard(msg[1])
+                    if msg[0] == "failed":
+                        self.group_failed_at = max(self.group_failed_at, msg[1])
             elif msg[0] == "released":
                 self._released.add(msg[1])
         self._released.discard(seq)

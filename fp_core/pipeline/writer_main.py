@@ -174,9 +174,10 @@ def _join(spec: dict) -> tuple:
     store = None
     try:
         if dist.is_initialized():
-            from fp_core.parallel import dcp_save
+            from fp_core.parallel import dcp_save, distributed
 
             dcp_save.forget_writer_meshes()  # their groups are the old group's
+            distributed.forget_groups()
             dist.destroy_process_group()
         kind, host, port = spec["store"]
         timeout = datetime.timedelta(seconds=spec["timeout"])
@@ -185,13 +186,13 @@ def _join(spec: dict) -> tuple:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
         dist.init_process_group("gloo", store=dist.PrefixStore(spec["prefix"], store), rank=spec["rank"],
                                 world_size=spec["world"], timeout=timeout)
+        store.set(f"{spec['joined']}/{spec['rank']}", "1")
     except Exception as e:  # noqa: BLE001 - every collective job of this writer fails with it
         why = f"{type(e).__name__}: {e}"
         if store is not None:
             with contextlib.suppress(Exception):
                 store.set(f"{spec['joined']}/{spec['rank']}", "0 " + why)
         return ("failed", why)
-    store.set(f"{spec['joined']}/{spec['rank']}", "1")
     return ("ok", store)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import logging
+import os
 import secrets
 import time
 from typing import Any
@@ -45,7 +46,12 @@ def _store_address(store: Any) -> tuple | None:
     return None
 
 
-def join_writers(writer: WriterProcess | None, timeout_s: float) -> str | None:
+def _attempt() -> str:
+    """This run's attempt under torchrun (its store may outlive a restart, keys and all)."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', '')}"
+
+
+def join_writers(writer: WriterProcess | None, timeout_s: float) -> tuple[str, int] | None:
     """Make the writer processes of every rank a gloo group of their own, for collective
     saves (called by every rank of the world, on the caller's thread, at the same save).
 
@@ -56,14 +62,14 @@ def join_writers(writer: WriterProcess | None, timeout_s: float) -> str | None:
     at the trainers' store itself (its host and port, as this rank reached it: across
     nodes too), under a prefix of their own; a writer already in a group leaves it first.
     Every rank waits until every writer has joined. Returns the store key under which the
-    ranks agreed (unique to this join), or None: collective saves stay on the thread
-    writer, on every rank."""
+    ranks agreed (unique to this join) and the join's job number, or None: collective saves
+    stay on the thread writer, on every rank."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
     rank, world = dist.get_rank(), dist.get_world_size()
-    key = f"fastpersist/writers/{next(_joins)}"
+    key = f"fastpersist/writers/{_attempt()}/{next(_joins)}"
     where = _store_address(store)
     can = writer is not None and writer.alive and where is not None
     if rank == 0:
@@ -75,7 +81,8 @@ def join_writers(writer: WriterProcess | None, timeout_s: float) -> str | None:
     assert writer is not None
     nonce = store.get(f"{key}/nonce").decode()
     prefix = f"fastpersist-writers/{nonce}"
-    writer.send(("join", writer.next_seq(), {"store": where, "rank": rank, "world": world, "timeout": timeout_s,
+    seq = writer.next_seq()
+    writer.send(("join", seq, {"store": where, "rank": rank, "world": world, "timeout": timeout_s,
                                              "prefix": prefix, "joined": f"{prefix}.joined"}))
     # The writers form the group in their job order, at the trainers' store: wait for them
     # here, so that a trainer killed after this save's fence (the store's host too) never
@@ -98,7 +105,7 @@ def join_writers(writer: WriterProcess | None, timeout_s: float) -> str | None:
         log.warning("fastpersist: the checkpoint writer processes could not form their group (%s): collective "
                     "saves go to the thread writer", said[2:])
         return None
-    return f"{key}/{nonce}"
+    return f"{key}/{nonce}", seq
 
 
 class WritersGroup:
@@ -107,7 +114,7 @@ class WritersGroup:
 
     At collective save ``n`` every rank adds itself to ``n``'s count in the store (and to
     its ``gone`` count where its writer is not the one that joined: it died, or another
-    was started); at save ``n + 1`` every rank reads save ``n``'s counts, the same on every
+    was started; or where a job of its writer in the group failed); at save ``n + 1`` every rank reads save ``n``'s counts, the same on every
     rank, and forms the group again where one was gone. No rank waits at a save for the
     others (they normally finished save ``n`` a checkpoint interval ago), and the writers
     need the store only to form the group: a trainer killed after its fence, the store's
@@ -119,13 +126,15 @@ class WritersGroup:
         self.route: bool | None = None  # None: not decided yet; False: the thread writer's
         self._key = ""
         self._saves = 0
+        self._join_seq = 0
 
     def join(self, writer: WriterProcess | None) -> None:
         """Every rank: form the group (again); ``route`` False if any rank has no writer."""
-        key = join_writers(writer, self.timeout_s)
-        self.route = key is not None
-        self.writer = writer if key is not None else None
-        self._key, self._saves = key or "", 0
+        joined = join_writers(writer, self.timeout_s)
+        self.route = joined is not None
+        self.writer = writer if joined is not None else None
+        self._key, self._join_seq = joined if joined is not None else ("", 0)
+        self._saves = 0
 
     def must_rejoin(self) -> bool:
         """Every rank, at a collective save: was some rank's writer gone at the previous one?"""
@@ -155,13 +164,18 @@ class WritersGroup:
 
     def report(self, writer: WriterProcess | None) -> bool:
         """Every rank, at a collective save after :meth:`must_rejoin`: count this rank in;
-        True where ``writer`` is the live writer process that joined the group."""
+        True where ``writer`` is the live writer process that joined the group (this save
+        goes to it)."""
         from torch.distributed.distributed_c10d import _get_default_store
 
         here = writer is not None and writer is self.writer and writer.alive
+        # a writer whose job in the group failed since it joined may have left the group's
+        # collectives out of step (a rank that skipped a save, a peer that died): it still
+        # takes this save (its peers' writers wait for it), and the group forms again next
+        stale = here and writer is not None and writer.group_failed_at >= self._join_seq
         store = _get_default_store()
         prefix = f"{self._key}/{self._saves}"
-        if not here:
+        if not here or stale:
             store.add(f"{prefix}/gone", 1)  # before arrived: a reader that sees every arrival sees it
         store.add(f"{prefix}/arrived", 1)
         self._saves += 1

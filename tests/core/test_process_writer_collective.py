@@ -39,6 +39,7 @@ def test_the_writers_save_together_fail_together_and_pair_with_a_decline(tmp_pat
         # one rank could not lay its state out: every rank fails, the file keeps generation 2
         assert r["after_plan_error"] == 2, r
         assert r["last"] == 5 and r["close"] == "" and not r["writer_alive_after_close"], r
+        assert r["rejoined"], r
     r0, r1 = results
     assert "CollectiveSaveError" in r0["plan_error"] and "rank 1" in r0["plan_error"], r0
     assert "cannot pickle" in r0["plan_error"] and "CheckpointSerializationError" in r1["plan_error"], r1

@@ -102,6 +102,7 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
     out["writer_pid"] = ck._writer_proc.pid if ck._writer_proc is not None else 0
     kill_delay = float(os.environ.get("FP_KILL_DELAY_MS", "0")) / 1e3  # after the fence (the benchmark's)
     if scenario == "together":
+        first_join = ck._writers._join_seq
         h = ck.save(state(2), path)
         ck.fence()
         h.result()
@@ -122,6 +123,9 @@ def main(rank: int, world: int, port: str, d: str, scenario: str) -> dict:
         out["alone"] = generation(os.path.join(d, "alone.pt")) if rank == 0 else None
         ck.save(state(5), path).result()
         out["last"] = generation(path)
+        # the failed save in the writers' group had it formed again (it may leave the group's
+        # collectives out of step), once; the saves after it went on in the new one
+        out["rejoined"] = ck._writers._join_seq > first_join
     elif scenario == "kill-after-fence":
         with open(os.path.join(d, f"writer{rank}.pid"), "w") as f:
             f.write(str(out["writer_pid"]))
