@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from conftest import HELPERS, free_port
+from conftest import HELPERS, assert_identical, free_port
 
 import fp_core
 
@@ -58,24 +58,15 @@ def _same(a: dict, b: dict) -> bool:
     return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _assert_equal(a, b, where=""):
-    """Equal structure (types, keys in order), tensors bit for bit; strings with the run's
-    checkpoint directory in them (ModelCheckpoint's paths) compared with it removed."""
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    elif isinstance(a, str):
-        assert a.replace("fastpersist", "stock") == b, where
-    else:
-        assert a == b, where
+def _stock_named(x):
+    """``x`` with the run's directory name in its strings (ModelCheckpoint's paths) as stock's."""
+    if isinstance(x, str):
+        return x.replace("fastpersist", "stock")
+    if isinstance(x, dict):
+        return type(x)((k, _stock_named(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return type(x)(_stock_named(v) for v in x)
+    return x
 
 
 def _assert_same_files(ours, stock):
@@ -83,7 +74,8 @@ def _assert_same_files(ours, stock):
     assert names == sorted(os.listdir(stock)), (names, sorted(os.listdir(stock)))
     for name in names:
         assert fp_core.verify(str(ours / name))["bytes"] > 0  # FastPersist's, checksummed
-        _assert_equal(torch.load(ours / name, weights_only=True), torch.load(stock / name, weights_only=True), name)
+        assert_identical(_stock_named(torch.load(ours / name, weights_only=True)),
+                         torch.load(stock / name, weights_only=True), name)
     return names
 
 

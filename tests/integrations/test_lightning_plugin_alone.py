@@ -23,7 +23,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import HELPERS, free_port
+from conftest import HELPERS, assert_identical, free_port
 
 import fp_core
 
@@ -101,22 +101,6 @@ def _strip_paths(obj, roots):
     return obj
 
 
-def _assert_equal(a, b, where=""):
-    assert type(a) is type(b), where
-    if isinstance(a, dict):
-        assert list(a) == list(b), where  # same keys, in the same order
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    else:
-        assert a == b, where
-
-
 def test_plugin_alone_every_rank_writes_the_file_stock_writes(file_runs):
     base = file_runs["base"]
     fp = file_runs["fit"]["fastpersist"]
@@ -135,7 +119,7 @@ def test_plugin_alone_every_rank_writes_the_file_stock_writes(file_runs):
         # state keyed by parameter id, equal to stock's bit for bit (the runs are the same)
         mine = torch.load(ours, weights_only=True)
         theirs = torch.load(base / "ckpts-stock-file" / name, weights_only=True)
-        _assert_equal(_strip_paths(mine, roots), _strip_paths(theirs, roots), name)
+        assert_identical(_strip_paths(mine, roots), _strip_paths(theirs, roots), name)
         assert list(mine["optimizer_states"][0]["state"]) == list(range(8))
         assert mine["state_dict"]["net.0.weight"].shape == (37, 16)
     # with FastPersistCallback as well: the same files, written the same way
@@ -143,7 +127,7 @@ def test_plugin_alone_every_rank_writes_the_file_stock_writes(file_runs):
     assert [r["stats"] for r in file_runs["fit"]["callback"]] == [r["stats"] for r in fp]
     roots.append(str(base / "ckpts-callback-file"))
     for name in names:
-        _assert_equal(_strip_paths(torch.load(base / "ckpts-callback-file" / name, weights_only=True), roots),
+        assert_identical(_strip_paths(torch.load(base / "ckpts-callback-file" / name, weights_only=True), roots),
                       _strip_paths(torch.load(base / "ckpts-fastpersist-file" / name, weights_only=True), roots))
     at4 = _records(base, "fastpersist", "file", "fit")["at_4"]
     last = torch.load(base / "ckpts-fastpersist-file" / "last.ckpt", weights_only=True)
