@@ -78,9 +78,19 @@ def unsupported(model: torch.nn.Module, optimizers: list[Any] = ()) -> str | Non
             return f"mixed precision of the buffers ({bd}: the full state holds their original dtypes)"
         if handle is not None and handle.flat_param._shared_param_infos:
             return "parameters shared between modules"
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    base = torch.nn.Module
     for mod in model.modules():
-        if type(mod).get_extra_state is not torch.nn.Module.get_extra_state:
+        if type(mod).get_extra_state is not base.get_extra_state:
             return f"module {type(mod).__name__} has extra state"
+        if isinstance(mod, FSDP):  # its own state-dict hooks are FSDP's
+            continue
+        # state a module puts into its state dict itself (torchmetrics' metrics, custom
+        # modules) is not in the parameters and buffers the flat shards are built from
+        if (type(mod).state_dict is not base.state_dict or type(mod)._save_to_state_dict is not base._save_to_state_dict
+                or mod._state_dict_hooks or mod._state_dict_pre_hooks):
+            return f"module {type(mod).__name__} makes its own state dict (state_dict, _save_to_state_dict or hooks)"
     managed = {id(p) for h in _handles(model) for p in ([h.flat_param] + list(h.flat_param._params or []))}
     for opt in optimizers:
         for g in opt.param_groups:
@@ -117,6 +127,14 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
         for i, pi in enumerate(fp._param_infos):
             where[(id(pi.module), pi.param_name)] = (fp, i)
     out: dict[str, Any] = OrderedDict()  # as nn.Module.state_dict() returns it
+    fsdp = _fsdp_modules(model)
+    first = not dist.is_initialized() or not fsdp or dist.get_rank(fsdp[0].process_group) == 0
+
+    def whole(t: torch.Tensor) -> FlatShard:
+        # rank 0's copy, as stock's gather writes it: FSDP never syncs buffers, so the ranks'
+        # may differ, and a replicated split would mix their bytes
+        flat = t.detach().cpu().reshape(-1)
+        return FlatShard(flat if first else flat[:0], t.shape, 0)
 
     def visit(module: torch.nn.Module, prefix: str) -> None:
         names = [n for n, p in module._parameters.items() if p is not None and not isinstance(p, FlatParameter)]
@@ -126,13 +144,13 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
         for n in names:
             hit = where.get((id(module), n))
             if hit is None:
-                out[_clean(prefix + n)] = module._parameters[n].detach().cpu()
+                out[_clean(prefix + n)] = whole(module._parameters[n])
             else:
                 fp, i = hit
                 out[_clean(prefix + n)] = _piece(fp.detach(), fp._shard_param_infos[i], fp._shapes[i])
         for n, b in module._buffers.items():
             if b is not None and n not in module._non_persistent_buffers_set:
-                out[_clean(prefix + n)] = b.detach().cpu()
+                out[_clean(prefix + n)] = whole(b)
         for n, child in module._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{n}.")
@@ -168,8 +186,9 @@ def optimizer_state(model: torch.nn.Module, optimizer: Any, group: Any = None) -
             by_orig[id(p)] = (h.flat_param, i)
     names = {}  # (flat_param, index) -> global name
     unit_of: dict[str, int] = {}
+    units = {id(m) for m in fsdp}  # by identity: a module's __eq__ may be anything (torchmetrics)
     prefix_of = {id(m._handle.flat_param): name for name, m in model.named_modules()
-                 if m in fsdp and m._handle is not None}
+                 if id(m) in units and m._handle is not None}
     for h in handles:
         fp = h.flat_param
         prefix = prefix_of.get(id(fp), "")
@@ -206,7 +225,10 @@ def optimizer_state(model: torch.nn.Module, optimizer: Any, group: Any = None) -
                             if info.in_shard else v[:0]
                     cut[k] = v
                 local[name] = cut
-    mine = {n: _meta(s) for n, s in local.items() if s}
+    # only where this rank holds a piece of the parameter: an optimizer that makes its state
+    # up front (Adagrad) has a step of 0 for a parameter with no elements here (as FSDP's
+    # own gather skips such ranks)
+    mine = {n: _meta(s) for n, s in local.items() if s and where[n][0]._shard_param_infos[where[n][1]].in_shard}
     world = dist.get_world_size(group)
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine, group=group)
@@ -233,6 +255,8 @@ def optimizer_state(model: torch.nn.Module, optimizer: Any, group: Any = None) -
         metas = merged[n]
         if not use_orig:  # unflattened as FSDP does: tensors, then 0-d tensors, then values, each by name
             metas = sorted(metas, key=lambda km: (("piece", "scalar", "value").index(km[1][0]), km[0]))
+        else:  # gathered as FSDP does (_allgather_state_info): values, 0-d tensors, tensors, each by name
+            metas = sorted(metas, key=lambda km: (("value", "scalar", "piece").index(km[1][0]), km[0]))
         for k, m in metas:
             if m[0] == "piece":
                 v = mine_n.get(k)

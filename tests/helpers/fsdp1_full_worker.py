@@ -96,7 +96,19 @@ class Collectives:
         return call
 
 
-def fsdp1_model(use_orig_params: bool):
+class OddEq(torch.nn.Module):
+    """A module whose ``==`` builds another object (as torchmetrics' metrics do)."""
+
+    __hash__ = torch.nn.Module.__hash__
+
+    def forward(self, x):
+        return x
+
+    def __eq__(self, other):
+        return OddEq()
+
+
+def fsdp1_model(use_orig_params: bool, optimizer: type = torch.optim.Adam):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -104,12 +116,14 @@ def fsdp1_model(use_orig_params: bool):
     # 13x37 + 37 and 37x5 + 5: flat params that divide by neither rank count, a parameter cut
     # between the ranks mid-row, a parameter on one rank only; a buffer at the root
     net = torch.nn.Sequential(torch.nn.Linear(13, 37), torch.nn.ReLU(), torch.nn.Linear(37, 5),
-                              torch.nn.LayerNorm(5), torch.nn.Linear(5, 300))
-    net.register_buffer("counts", torch.arange(6, dtype=torch.int64))
+                              torch.nn.LayerNorm(5), torch.nn.Linear(5, 300), OddEq())
+    net.register_buffer("counts", torch.arange(4096, dtype=torch.int64))
     net.register_buffer("scratch", torch.ones(2), persistent=False)
     model = FSDP(net, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({torch.nn.Linear}),
                  use_orig_params=use_orig_params)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with torch.no_grad():  # FSDP never syncs buffers: the ranks' copies differ in one element
+        net.counts[17] = 1000 + dist.get_rank()
+    opt = optimizer(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(dist.get_rank())
     for _ in range(3):
         model(torch.randn(4, 13, generator=g)).square().sum().backward()
@@ -129,12 +143,13 @@ def full_gather(model, opt) -> dict:
                 "epoch": 7}
 
 
-def fsdp1_check(d: str, use_orig_params: bool, result: dict) -> None:
-    """The FlatShard state of an FSDP1 model + Adam after 3 steps, saved as one file with
-    layout="file", is what its FULL_STATE_DICT gather is, byte for byte (keys in order,
-    dtypes, shapes, values), and the save carries no tensor between ranks."""
-    tag = f"uop{int(use_orig_params)}"
-    model, opt = fsdp1_model(use_orig_params)
+def fsdp1_check(d: str, use_orig_params: bool, result: dict, optimizer: type = torch.optim.Adam) -> None:
+    """The FlatShard state of an FSDP1 model + Adam (or another optimizer) after 3 steps,
+    saved as one file with layout="file", is what its FULL_STATE_DICT gather is, byte for
+    byte (keys in order, dtypes, shapes, values; buffers as rank 0 holds them, which stock
+    writes), and the save carries no tensor between ranks."""
+    tag = f"uop{int(use_orig_params)}" + ("" if optimizer is torch.optim.Adam else f"_{optimizer.__name__}")
+    model, opt = fsdp1_model(use_orig_params, optimizer)
     assert fsdp1_flat.unsupported(model, [opt]) is None
     path = os.path.join(d, f"{tag}.pt")
     with Collectives() as seen:
@@ -145,6 +160,7 @@ def fsdp1_check(d: str, use_orig_params: bool, result: dict) -> None:
     result[f"{tag}_data_bytes"] = st.extra["data_bytes"]
     result[f"{tag}_flat"] = sum(isinstance(v, FlatShard) for v in state["state_dict"].values())
     full = full_gather(model, opt)
+    full["state_dict"]["counts"][17] = 1000  # rank 0's buffer: stock's file is rank 0's gather
     dist.barrier()
     got = torch.load(path, weights_only=True)
     result[f"{tag}_differ"] = differ(full, got)
@@ -258,6 +274,14 @@ def unsupported_check(result: dict) -> None:
         def set_extra_state(self, state) -> None:
             pass
 
+    class OwnState(torch.nn.Linear):  # as torchmetrics' metrics add their states
+        def _save_to_state_dict(self, destination, prefix, keep_vars):
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+            destination[prefix + "calls"] = torch.tensor(3)
+
+    hooked = torch.nn.Linear(4, 4)
+    hooked.register_state_dict_pre_hook(lambda module, prefix, keep_vars: None)
+
     def wrap(net=None, **kw):
         net = net or torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 4))
         return FSDP(net, device_id=torch.device("cpu"), use_orig_params=True, **kw)
@@ -274,6 +298,8 @@ def unsupported_check(result: dict) -> None:
         "no_shard": (wrap(sharding_strategy=ShardingStrategy.NO_SHARD), []),
         "tied": (wrap(tied), []),
         "extra": (wrap(torch.nn.Sequential(Extra(4, 4))), []),
+        "own_state": (wrap(torch.nn.Sequential(OwnState(4, 4))), []),
+        "hooked": (wrap(torch.nn.Sequential(hooked)), []),
         "foreign": (plain, [torch.optim.Adam([*plain.parameters(), torch.nn.Parameter(torch.ones(2))])]),
         "not_fsdp": (torch.nn.Linear(2, 2), []),
     }
@@ -288,6 +314,7 @@ def main() -> None:
             raise ValueError(scenario)
         fsdp1_check(d, True, result)
         fsdp1_check(d, False, result)
+        fsdp1_check(d, True, result, torch.optim.Adagrad)  # state made up front, for every parameter
         ranges_check(d, rank, result)
         async_check(d, rank, result, "thread")
         async_check(d, rank, result, "process")
