@@ -46,15 +46,20 @@ def _holds(obj: Any, kinds: tuple[type, ...]) -> bool:
 
 def map_containers(obj: Any, fn: Callable[[Any], Any]) -> Any:
     """``obj`` with ``fn`` applied to the values of its dicts, lists and tuples (named tuples
-    and dict subclasses keep their type where it can be rebuilt, else become dict/tuple)."""
+    and dict subclasses keep their type where it can be rebuilt, else become dict/tuple; a
+    dict subclass keeps its attributes: a state dict's ``_metadata``, module versions)."""
     if isinstance(obj, dict):
         items = {k: fn(v) for k, v in obj.items()}
         if type(obj) is dict:
             return items
         try:
-            return type(obj)(items)
+            out = type(obj)(items)
         except Exception:  # noqa: BLE001 - a mapping with another constructor (defaultdict...)
             return items
+        attrs = getattr(obj, "__dict__", None)
+        if attrs:
+            out.__dict__.update(attrs)
+        return out
     if isinstance(obj, list):
         return [fn(v) for v in obj]
     if isinstance(obj, tuple):

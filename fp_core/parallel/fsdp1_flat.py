@@ -156,6 +156,10 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
                 visit(child, f"{prefix}{n}.")
 
     visit(model, "")
+    # nn.Module.state_dict's record of each module's version (load_state_dict passes it to
+    # the modules' loaders), under the modules' own names, FSDP's wrappers included
+    out._metadata = OrderedDict(  # type: ignore[attr-defined]
+        (name, {} if m._version is None else {"version": m._version}) for name, m in model.named_modules())
     return out
 
 

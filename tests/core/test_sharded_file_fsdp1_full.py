@@ -34,6 +34,7 @@ def test_fsdp1_flat_state_file_equals_its_full_state_dict_gather(ranks, tag):
         # same model: keys in the same order, dtypes, shapes, values bit for bit
         assert r[f"{tag}_differ"] is None, r[f"{tag}_differ"]
         assert r[f"{tag}_verified"]
+        assert r[f"{tag}_metadata"]  # the modules' versions, as stock's state dict carries them
         assert r[f"{tag}_keys"] == ["counts", "0.weight", "0.bias", "2.weight", "2.bias", "3.weight", "3.bias",
                                     "4.weight", "4.bias"]  # the non-persistent buffer is not saved
         # every parameter from the flat shards, the buffer as rank 0's copy (FSDP does not sync

@@ -165,6 +165,7 @@ def fsdp1_check(d: str, use_orig_params: bool, result: dict, optimizer: type = t
     got = torch.load(path, weights_only=True)
     result[f"{tag}_differ"] = differ(full, got)
     result[f"{tag}_keys"] = list(got["state_dict"])
+    result[f"{tag}_metadata"] = got["state_dict"]._metadata == full["state_dict"]._metadata
     result[f"{tag}_optim_keys"] = list(got["optimizer_states"][0]["state"])
     result[f"{tag}_verified"] = fp_core.verify(path)["bytes"] > 0
     full_bytes = sum(v.numel() * v.element_size() for v in full["state_dict"].values())
