@@ -114,8 +114,9 @@ class WritersGroup:
 
     At collective save ``n`` every rank adds itself to ``n``'s count in the store (and to
     its ``gone`` count where its writer is not the one that joined: it died, or another
-    was started; or where a job of its writer in the group failed); at save ``n + 1`` every rank reads save ``n``'s counts, the same on every
-    rank, and forms the group again where one was gone. No rank waits at a save for the
+    was started; or where a job of its writer in the group failed); at save ``n + 1``
+    every rank reads save ``n``'s counts, the same on every rank, and forms the group again
+    where one was gone. No rank waits at a save for the
     others (they normally finished save ``n`` a checkpoint interval ago), and the writers
     need the store only to form the group: a trainer killed after its fence, the store's
     host included, does not fail its writer's save."""
